@@ -1,0 +1,61 @@
+"""The attention side's FFN client: one per vLLM worker process.
+
+The runtime, not the model, owns the connector. The AttentionServer puts its
+`AttentionAssignment` into the environment variable `AFD_RAY_ASSIGNMENT` before it
+starts the vLLM engine; the engine's worker process inherits it, and the first call of
+the `afd_ray::remote_ffn` op opens the pair channel from it. vLLM's own profile and
+warm-up forwards therefore already run through the FFN peer.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from afd_ray.connector.channel import AttentionChannel
+from afd_ray.control.membership import AttentionAssignment
+
+__all__ = ["ASSIGNMENT_ENV", "FFNClient", "ffn_client"]
+
+ASSIGNMENT_ENV = "AFD_RAY_ASSIGNMENT"
+
+_client: FFNClient | None = None
+
+
+class FFNClient:
+    """Sends each layer's hidden states to the FFN peer and returns its output.
+
+    A step header goes out before the first FFN layer of every forward pass; a new
+    pass is recognized when the layer index does not increase.
+    """
+
+    def __init__(self, assignment: AttentionAssignment) -> None:
+        self.assignment = assignment
+        self.channel = AttentionChannel(
+            assignment.address, assignment.peer, assignment.epoch,
+            assignment.backend, assignment.timeout_s,
+        )
+        self._last_layer = -1
+
+    def exchange(self, hidden: torch.Tensor, layer: int) -> torch.Tensor:
+        """A2F + F2A of decoder layer `layer`: hidden `[T, H]` -> FFN output `[T, H]`."""
+        if layer <= self._last_layer or self._last_layer < 0:
+            self.channel.send_header(hidden.shape[0])
+        self._last_layer = layer
+        return self.channel.exchange(hidden)
+
+
+def ffn_client() -> FFNClient:
+    """This process's client, opened on first use from `AFD_RAY_ASSIGNMENT`.
+
+    Raises:
+        RuntimeError: the variable is unset (the AFD model runs outside an AttentionServer).
+    """
+    global _client
+    if _client is None:
+        raw = os.environ.get(ASSIGNMENT_ENV)
+        if raw is None:
+            raise RuntimeError(f"{ASSIGNMENT_ENV} is unset: AFD models run only inside an AttentionServer")
+        _client = FFNClient(AttentionAssignment.model_validate_json(raw))
+    return _client

@@ -1,0 +1,208 @@
+"""The A2F/F2A connector: step headers on a control plane, tensors on a data plane.
+
+Control plane: every FFN rank binds one ZeroMQ PULL socket; each attention peer
+connects a PUSH socket to it and sends `StepHeader`s (JOIN, STEP, LEAVE). The FFN waits
+on it with a poll timeout, so an idle FFN rank never blocks in a collective and
+`close()` releases it at once.
+
+Data plane: each attention↔FFN pair owns a 2-rank stateless process group (FFN rank 0,
+attention rank 1) from `new_process_group`, rendezvoused through the FFN rank's
+`TCPStore`. It carries only `[T, H]` tensors, in the order fixed by the header: for
+each FFN layer, A2F then F2A.
+
+Protocol rules (why it cannot deadlock with one FFN peer per attention rank):
+1. An attention rank sends JOIN, then opens its pair group; the FFN opens its side when
+   it reads the JOIN, at a step boundary. Headers from one peer are read in order.
+2. An attention rank sends STEP(T) before the tensors of a step and waits for the F2A of
+   the last layer before its next header, so at most one step per peer is in flight.
+3. The FFN posts data-plane receives only for peers whose STEP it has read, so every
+   posted receive has a sender on the way; each one is bounded by `timeout_s`, and a
+   dead peer fails it at once ("connection closed by peer").
+4. A header whose epoch differs from the FFN's is dropped, never applied.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import zmq
+
+from afd_ray.connector.header import HeaderKind, StepHeader
+from afd_ray.connector.process_group import new_process_group
+
+__all__ = ["AttentionChannel", "ConnectorTimeout", "FFNAddress", "FFNChannel"]
+
+logger = logging.getLogger(__name__)
+
+_A2F_TAG = 1
+_F2A_TAG = 2
+
+
+class ConnectorTimeout(TimeoutError):
+    """A control-plane wait passed its timeout."""
+
+
+@dataclass(frozen=True)
+class FFNAddress:
+    """Where attention peers reach one FFN rank (published through the coordinator)."""
+
+    host: str
+    store_port: int
+    """Port of the FFN rank's `TCPStore` (pair-group rendezvous)."""
+    control_port: int
+    """Port of the FFN rank's header socket."""
+
+
+def _pair_prefix(peer: int, epoch: int) -> str:
+    return f"afd/pair/{peer}/{epoch}"
+
+
+class AttentionChannel:
+    """Attention side of one attention↔FFN pair.
+
+    Args:
+        address: the FFN peer.
+        peer: this attention rank's id.
+        epoch: membership epoch of the assignment.
+        backend: `gloo` | `nccl` | `hccl`.
+        timeout_s: bound on rendezvous and on every receive, seconds.
+
+    Raises:
+        RuntimeError / DistStoreError: the FFN did not open the pair within `timeout_s`.
+    """
+
+    def __init__(
+        self, address: FFNAddress, peer: int, epoch: int, backend: str, timeout_s: float
+    ) -> None:
+        self.peer = peer
+        self.epoch = epoch
+        self._step_id = 0
+        self._zmq = zmq.Context()
+        self._push = self._zmq.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.LINGER, 0)
+        self._push.connect(f"tcp://{address.host}:{address.control_port}")
+        self._push.send(StepHeader(HeaderKind.JOIN, peer, epoch).pack())
+        store = dist.TCPStore(
+            address.host, address.store_port, is_master=False,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        self._pg = new_process_group(
+            backend, dist.PrefixStore(_pair_prefix(peer, epoch), store), 1, 2, timeout_s
+        )
+        self._store = store
+
+    def send_header(self, num_tokens: int) -> StepHeader:
+        """Announce a step of `num_tokens` rows; call before its first `send_a2f`."""
+        self._step_id += 1
+        header = StepHeader(HeaderKind.STEP, self.peer, self.epoch, self._step_id, num_tokens)
+        self._push.send(header.pack())
+        return header
+
+    def send_a2f(self, hidden: torch.Tensor) -> None:
+        """Send `hidden` `[T, H]` (model dtype, contiguous) to the FFN peer."""
+        self._pg.send([hidden], 0, _A2F_TAG).wait()
+
+    def recv_f2a(self, out: torch.Tensor) -> torch.Tensor:
+        """Receive the FFN output `[T, H]` into `out` and return it."""
+        self._pg.recv([out], 0, _F2A_TAG).wait()
+        return out
+
+    def exchange(self, hidden: torch.Tensor) -> torch.Tensor:
+        """A2F then F2A for one layer: returns the FFN output, shape and dtype of `hidden`.
+
+        The F2A receive is posted before the A2F send, so the FFN never waits on us.
+        """
+        out = torch.empty_like(hidden)
+        recv = self._pg.recv([out], 0, _F2A_TAG)
+        self._pg.send([hidden.contiguous()], 0, _A2F_TAG).wait()
+        recv.wait()
+        return out
+
+    def close(self) -> None:
+        """Tell the FFN peer we leave, then release sockets and the pair group."""
+        try:
+            self._push.send(StepHeader(HeaderKind.LEAVE, self.peer, self.epoch).pack(), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            logger.warning("attention rank %d: LEAVE not sent, FFN peer unreachable", self.peer)
+        self._push.close()
+        self._zmq.term()
+        self._pg.shutdown()
+
+
+class FFNChannel:
+    """FFN side: the header socket, the rendezvous store, one pair group per peer.
+
+    Args:
+        host: loopback or node IP to bind on; ports come from the OS.
+        backend: `gloo` | `nccl` | `hccl`.
+        timeout_s: bound on pair rendezvous and on every data-plane receive, seconds.
+        epoch: membership epoch this rank serves.
+    """
+
+    def __init__(self, host: str, backend: str, timeout_s: float, epoch: int = 0) -> None:
+        self.epoch = epoch
+        self._backend = backend
+        self._timeout_s = timeout_s
+        self._store = dist.TCPStore(
+            host, 0, is_master=True, wait_for_workers=False,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        self._zmq = zmq.Context()
+        self._pull = self._zmq.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        control_port = self._pull.bind_to_random_port(f"tcp://{host}")
+        self.address = FFNAddress(host, self._store.port, control_port)
+        self._pairs: dict[int, dist.ProcessGroup] = {}
+
+    @property
+    def peers(self) -> list[int]:
+        """Attention ranks with an open pair, in admission order."""
+        return list(self._pairs)
+
+    def recv_header(self, timeout_s: float) -> StepHeader | None:
+        """Next header of the current epoch, or None if none arrived within `timeout_s`.
+
+        Headers of another epoch are dropped with a warning.
+        """
+        if not self._pull.poll(timeout_s * 1000):
+            return None
+        header = StepHeader.unpack(self._pull.recv())
+        if header.epoch != self.epoch:
+            logger.warning("dropped %s: FFN serves epoch %d", header, self.epoch)
+            return None
+        return header
+
+    def admit(self, peer: int) -> None:
+        """Open the pair group with attention rank `peer` (blocks until it joins).
+
+        Raises:
+            RuntimeError / DistStoreError: the peer did not rendezvous within the timeout.
+        """
+        prefix = dist.PrefixStore(_pair_prefix(peer, self.epoch), self._store)
+        self._pairs[peer] = new_process_group(self._backend, prefix, 0, 2, self._timeout_s)
+
+    def remove(self, peer: int) -> None:
+        """Close the pair group of `peer` (after its LEAVE, or on its failure)."""
+        pair = self._pairs.pop(peer, None)
+        if pair is not None:
+            pair.shutdown()
+
+    def recv_a2f(self, peer: int, out: torch.Tensor) -> torch.Tensor:
+        """Receive `[T, H]` from `peer` into `out` and return it."""
+        self._pairs[peer].recv([out], 1, _A2F_TAG).wait()
+        return out
+
+    def send_f2a(self, peer: int, out: torch.Tensor) -> None:
+        """Send the FFN output `[T, H]` back to `peer`."""
+        self._pairs[peer].send([out.contiguous()], 1, _F2A_TAG).wait()
+
+    def close(self) -> None:
+        """Close every pair group and the header socket."""
+        for peer in self.peers:
+            self.remove(peer)
+        self._pull.close()
+        self._zmq.term()

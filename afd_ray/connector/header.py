@@ -1,0 +1,62 @@
+"""Control-plane messages between an attention rank and its FFN peer.
+
+The control plane carries only these fixed-size headers (40 bytes); the data plane
+carries only tensors, in an order both sides derive from the header.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from enum import IntEnum
+
+__all__ = ["HeaderKind", "StepHeader"]
+
+_WIRE = struct.Struct("<5q")
+
+
+class HeaderKind(IntEnum):
+    """What a header announces to the FFN rank."""
+
+    JOIN = 1
+    """The attention rank opens its pair channel; the FFN admits it at a step boundary."""
+    STEP = 2
+    """The attention rank starts a forward step: per FFN layer, `num_tokens` rows follow."""
+    LEAVE = 3
+    """The attention rank detaches; no further tensors follow."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepHeader:
+    """One control message from attention rank `peer`.
+
+    Attributes:
+        kind: what the message announces.
+        peer: the attention rank id (unique within the application).
+        epoch: membership epoch the sender believes in; the FFN drops a message whose
+            epoch differs from its own, it never applies it.
+        step_id: per-peer step counter, +1 per STEP (0 for JOIN/LEAVE).
+        num_tokens: rows T of every A2F/F2A tensor `[T, H]` of this step.
+    """
+
+    kind: HeaderKind
+    peer: int
+    epoch: int
+    step_id: int = 0
+    num_tokens: int = 0
+
+    def pack(self) -> bytes:
+        """Serialize to 40 little-endian bytes."""
+        return _WIRE.pack(self.kind, self.peer, self.epoch, self.step_id, self.num_tokens)
+
+    @classmethod
+    def unpack(cls, buf: bytes) -> StepHeader:
+        """Inverse of `pack`.
+
+        Raises:
+            ValueError: `buf` is not a header (wrong size or unknown kind).
+        """
+        if len(buf) != _WIRE.size:
+            raise ValueError(f"step header must be {_WIRE.size} bytes, got {len(buf)}")
+        kind, peer, epoch, step_id, num_tokens = _WIRE.unpack(buf)
+        return cls(HeaderKind(kind), peer, epoch, step_id, num_tokens)

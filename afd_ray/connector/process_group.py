@@ -1,0 +1,48 @@
+"""Stateless torch process groups over a `TCPStore` rendezvous.
+
+Each attention↔FFN pair (and later each FFN EP group) gets its own small process group,
+created and destroyed on its own when membership changes, with no global
+`torch.distributed` state and no re-init of the others.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch.distributed as dist
+
+__all__ = ["new_process_group"]
+
+
+def new_process_group(
+    backend: str, store: dist.Store, rank: int, world_size: int, timeout_s: float
+) -> dist.ProcessGroup:
+    """Build a process group of `world_size` ranks that rendezvous through `store`.
+
+    Args:
+        backend: `gloo` (CPU), `nccl` (CUDA) or `hccl` (Ascend, needs torch-npu).
+        store: a store shared by all ranks, usually a `PrefixStore` unique to the group.
+        rank: this process's rank in `[0, world_size)`.
+        world_size: number of ranks.
+        timeout_s: bound on every blocking operation of the group, seconds.
+
+    Blocks until all `world_size` ranks have joined (bounded by the store's timeout).
+
+    Raises:
+        ValueError: unknown backend.
+        RuntimeError / DistStoreError: rendezvous failed or timed out.
+    """
+    timeout = timedelta(seconds=timeout_s)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, world_size, options)
+    if backend == "hccl":
+        from torch_npu._C._distributed_c10d import ProcessGroupHCCL
+
+        options = ProcessGroupHCCL.Options()
+        options._timeout = timeout
+        return ProcessGroupHCCL(store, rank, world_size, options)
+    raise ValueError(f"connector backend: unknown {backend!r}; expected gloo, nccl or hccl")
