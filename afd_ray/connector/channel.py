@@ -34,16 +34,12 @@ import zmq
 from afd_ray.connector.header import HeaderKind, StepHeader
 from afd_ray.connector.process_group import new_process_group
 
-__all__ = ["AttentionChannel", "ConnectorTimeout", "FFNAddress", "FFNChannel"]
+__all__ = ["AttentionChannel", "FFNAddress", "FFNChannel"]
 
 logger = logging.getLogger(__name__)
 
 _A2F_TAG = 1
 _F2A_TAG = 2
-
-
-class ConnectorTimeout(TimeoutError):
-    """A control-plane wait passed its timeout."""
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,8 @@ class FFNRuntime:
         model: the FFN blocks of every layer, on `device`, in the model dtype.
         channel: the FFN side of the connector.
         dtype: dtype of the A2F/F2A tensors (the model dtype).
-        poll_s: longest wait for a header before the stop flag is checked, seconds.
+        poll_s: longest wait for a header before the stop flag is checked, seconds
+            (a header wakes the loop at once).
     """
 
     def __init__(self, model: FFNStack, channel: FFNChannel, dtype: torch.dtype, poll_s: float) -> None:

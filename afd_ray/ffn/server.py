@@ -1,0 +1,74 @@
+"""One FFN rank as a Serve replica: loads its weights, runs the FFN loop in a thread.
+
+It takes no user requests (no route leads here) and allocates no KV cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import ray
+import torch
+from ray.serve.handle import DeploymentHandle
+
+from afd_ray.config import ConnectorConfig, FFNPoolConfig, ModelConfig, Platform
+from afd_ray.connector.channel import FFNChannel
+from afd_ray.ffn.model import load_ffn_stack
+from afd_ray.ffn.runtime import FFNRuntime
+from afd_ray.models.embedded import resolve_checkpoint
+from afd_ray.platform import collective_backend, torch_device
+
+__all__ = ["FFNServer"]
+
+_REPORT_PERIOD_S = 0.2
+_STOP_POLL_S = 0.1
+"""Header wait between checks of the stop flag; a header wakes the loop at once."""
+
+
+class FFNServer:
+    """Body of the FFN pool's Serve deployment."""
+
+    async def __init__(
+        self,
+        platform: Platform,
+        model: ModelConfig,
+        ffn: FFNPoolConfig,
+        connector: ConnectorConfig,
+        coordinator: DeploymentHandle,
+    ) -> None:
+        """Load the FFN-role weights, open the connector, register with the coordinator.
+
+        Raises:
+            ValueError: the checkpoint's architecture has no FFN implementation.
+        """
+        torch.set_num_threads(ffn.num_threads)
+        dtype = getattr(torch, model.dtype)
+        stack = load_ffn_stack(resolve_checkpoint(model), dtype, torch_device(platform))
+        channel = FFNChannel(
+            ray.util.get_node_ip_address(), collective_backend(platform), connector.timeout_s
+        )
+        self._coordinator = coordinator
+        self.rank = await coordinator.register_ffn.remote(channel.address)
+        self._runtime = FFNRuntime(stack, channel, dtype, _STOP_POLL_S)
+        self._loop = threading.Thread(target=self._runtime.run, name=f"afd-ffn-{self.rank}", daemon=True)
+        self._loop.start()
+        self._reporter = asyncio.create_task(self._report())
+
+    async def _report(self) -> None:
+        while True:
+            await self._coordinator.report_ffn.remote(self.rank, self._runtime.stats)
+            await asyncio.sleep(_REPORT_PERIOD_S)
+
+    async def check_health(self) -> None:
+        """Serve's health check.
+
+        Raises:
+            RuntimeError: the FFN loop thread has exited (it failed).
+        """
+        if not self._loop.is_alive():
+            raise RuntimeError(f"FFN rank {self.rank}: loop thread exited")
+
+    def __del__(self) -> None:
+        if hasattr(self, "_runtime"):
+            self._runtime.stop()

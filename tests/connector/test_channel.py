@@ -1,0 +1,104 @@
+"""The connector over real gloo pair groups and real ZMQ sockets on loopback."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+import time
+
+import pytest
+import torch
+
+from afd_ray.connector.channel import AttentionChannel, FFNAddress, FFNChannel
+from afd_ray.connector.header import HeaderKind, StepHeader
+
+H = 8
+
+
+def _open_pair(ffn: FFNChannel, peer: int, epoch: int = 0) -> AttentionChannel:
+    """Attention side in this thread, FFN admission in another (both block until paired)."""
+    def admit() -> None:
+        header = ffn.recv_header(10)
+        assert header is not None and header.kind is HeaderKind.JOIN
+        ffn.admit(header.peer)
+
+    admitter = threading.Thread(target=admit)
+    admitter.start()
+    attention = AttentionChannel(ffn.address, peer, epoch, "gloo", timeout_s=10)
+    admitter.join(10)
+    return attention
+
+
+def test_header_wire_format_round_trips():
+    header = StepHeader(HeaderKind.STEP, peer=3, epoch=7, step_id=11, num_tokens=513)
+    assert StepHeader.unpack(header.pack()) == header
+    with pytest.raises(ValueError, match="40 bytes"):
+        StepHeader.unpack(b"\x00" * 8)
+
+
+def test_steps_of_varying_size_return_the_ffn_output():
+    ffn = FFNChannel("127.0.0.1", "gloo", timeout_s=10)
+    attention = _open_pair(ffn, peer=5)
+    sizes = [1, 7, 64, 3]
+
+    def serve() -> None:
+        for _ in sizes:
+            header = ffn.recv_header(10)
+            assert header.kind is HeaderKind.STEP and header.peer == 5
+            x = ffn.recv_a2f(header.peer, torch.empty(header.num_tokens, H))
+            ffn.send_f2a(header.peer, 2 * x + 1)
+
+    server = threading.Thread(target=serve)
+    server.start()
+    for step, tokens in enumerate(sizes, start=1):
+        x = torch.randn(tokens, H)
+        sent = attention.send_header(tokens)
+        assert sent.step_id == step
+        assert torch.equal(attention.exchange(x), 2 * x + 1)
+    server.join(10)
+    attention.close()
+    header = ffn.recv_header(10)
+    assert header.kind is HeaderKind.LEAVE
+    ffn.remove(header.peer)
+    assert ffn.peers == []
+    ffn.close()
+
+
+def test_header_of_another_epoch_is_dropped():
+    ffn = FFNChannel("127.0.0.1", "gloo", timeout_s=10, epoch=1)
+    attention = _open_pair(ffn, peer=0, epoch=1)
+    attention.epoch = 0  # a late sender still on the old epoch
+    attention.send_header(4)
+    assert ffn.recv_header(1) is None
+    attention.epoch = 1
+    attention.send_header(4)
+    assert ffn.recv_header(1).num_tokens == 4
+
+
+def test_idle_header_wait_is_bounded():
+    ffn = FFNChannel("127.0.0.1", "gloo", timeout_s=10)
+    start = time.monotonic()
+    assert ffn.recv_header(0.2) is None
+    assert time.monotonic() - start < 2
+    ffn.close()
+
+
+def _join_then_die(address: FFNAddress) -> None:
+    attention = AttentionChannel(address, 0, 0, "gloo", timeout_s=10)
+    attention.send_header(4)
+    time.sleep(60)
+
+
+def test_dead_attention_peer_fails_the_receive_instead_of_hanging():
+    ffn = FFNChannel("127.0.0.1", "gloo", timeout_s=30)
+    child = mp.get_context("spawn").Process(target=_join_then_die, args=(ffn.address,))
+    child.start()
+    join = ffn.recv_header(30)
+    ffn.admit(join.peer)
+    step = ffn.recv_header(30)
+    assert step.kind is HeaderKind.STEP
+    child.kill()
+    start = time.monotonic()
+    with pytest.raises(RuntimeError):
+        ffn.recv_a2f(step.peer, torch.empty(step.num_tokens, H))
+    assert time.monotonic() - start < 20
