@@ -6,12 +6,33 @@ the out-of-tree architectures resolve in the worker that builds the model.
 
 from __future__ import annotations
 
-__all__ = ["AFD_ARCHITECTURES", "register"]
+from pathlib import Path
+
+from transformers import AutoConfig
+
+__all__ = ["AFD_ARCHITECTURES", "afd_architecture", "register"]
 
 AFD_ARCHITECTURES = {
     "LlamaForCausalLM": "afd_ray.attention.models.llama:AFDLlamaForCausalLM",
 }
 """Checkpoint architecture -> AFD attention-role class (lazy import path)."""
+
+
+def afd_architecture(checkpoint: Path) -> str:
+    """The registered AFD architecture name for the checkpoint in `checkpoint`.
+
+    Raises:
+        ValueError: the checkpoint's architecture has no AFD class; the message names
+            `model.source` and lists the supported ones.
+    """
+    architectures = AutoConfig.from_pretrained(checkpoint).architectures or []
+    for arch in architectures:
+        if arch in AFD_ARCHITECTURES:
+            return "AFD" + arch
+    raise ValueError(
+        f"model.source: architecture {architectures} of {checkpoint} has no AFD model "
+        f"class; supported: {sorted(AFD_ARCHITECTURES)}"
+    )
 
 
 def register() -> None:
