@@ -19,6 +19,7 @@ __all__ = [
     "AttentionPoolConfig",
     "ConnectorConfig",
     "FFNPoolConfig",
+    "IngressConfig",
     "ModelConfig",
     "Platform",
 ]
@@ -73,7 +74,8 @@ class AttentionPoolConfig(_Section):
     """Amount of the platform resource key (CPU/GPU/NPU) in each member's bundle."""
 
     kv_cache_gib: float = Field(1.0, gt=0)
-    """KV-cache space per rank in GiB (vLLM CPU: `VLLM_CPU_KVCACHE_SPACE`)."""
+    """KV-cache space per rank in GiB (vLLM `kv_cache_memory_bytes`; on CPU a
+    `VLLM_CPU_KVCACHE_SPACE` in the environment overrides it)."""
 
     max_num_seqs: int = Field(16, ge=1)
     """Largest number of requests one engine step may batch."""
@@ -109,6 +111,14 @@ class ConnectorConfig(_Section):
     """Sleep between polls while an FFN rank waits for step headers."""
 
 
+class IngressConfig(_Section):
+    """The OpenAI HTTP front (a Serve deployment that only forwards requests)."""
+
+    max_ongoing_requests: int = Field(256, ge=1)
+    """HTTP requests one ingress replica holds at once, open streams included;
+    beyond it Serve's proxy queues them."""
+
+
 class AFDConfig(_Section):
     """Root of the config tree: the `args` of `deployments/afd.yaml`."""
 
@@ -117,6 +127,7 @@ class AFDConfig(_Section):
     (gloo/nccl/hccl) and the Ray resource key (CPU/GPU/NPU)."""
 
     model: ModelConfig = ModelConfig()
+    ingress: IngressConfig = IngressConfig()
     attention: AttentionPoolConfig = AttentionPoolConfig()
     ffn: FFNPoolConfig = FFNPoolConfig()
     connector: ConnectorConfig = ConnectorConfig()

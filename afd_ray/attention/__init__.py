@@ -1,0 +1,1 @@
+"""The attention pool: vLLM engines that own requests and the KV cache."""

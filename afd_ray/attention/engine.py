@@ -1,0 +1,67 @@
+"""The vLLM engine of one attention rank: its engine args and its process environment.
+
+Everything vLLM-specific that the config tree decides lives here, so that turning a
+plain vLLM rank into an AFD attention rank changes `engine_args` only.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from vllm.engine.arg_utils import AsyncEngineArgs
+
+from afd_ray.config import AttentionPoolConfig, ModelConfig
+
+__all__ = ["engine_args", "engine_env"]
+
+GIB = 1 << 30
+
+
+def engine_args(
+    model: ModelConfig, attention: AttentionPoolConfig, checkpoint: Path
+) -> AsyncEngineArgs:
+    """The `AsyncLLM` arguments of one attention rank.
+
+    Args:
+        model: which model, its dtype and context length (`max_model_len` tokens).
+        attention: batch size, KV-cache budget (GiB) and eager mode of the rank.
+        checkpoint: a local Hugging Face folder (config.json, safetensors,
+            tokenizer), as returned by `afd_ray.models.embedded.resolve_checkpoint`.
+
+    The KV-cache budget goes through `kv_cache_memory_bytes`, which every vLLM
+    platform honours; on CPU it is what `VLLM_CPU_KVCACHE_SPACE` would set, without
+    that variable's whole-GiB granularity.
+    """
+    return AsyncEngineArgs(
+        model=str(checkpoint),
+        served_model_name=[model.name],
+        dtype=model.dtype,
+        max_model_len=model.max_model_len,
+        max_num_seqs=attention.max_num_seqs,
+        enforce_eager=attention.enforce_eager,
+        kv_cache_memory_bytes=int(attention.kv_cache_gib * GIB),
+    )
+
+
+def engine_env(attention: AttentionPoolConfig) -> dict[str, str]:
+    """Environment variables to set in an attention replica before it starts vLLM.
+
+    vLLM's EngineCore and worker processes are spawned from the replica and inherit
+    its environment, so this is where their threading is decided (DESIGN.md §9):
+
+    - `OMP_NUM_THREADS`: `attention.num_threads` OpenMP/torch threads per worker.
+    - `VLLM_CPU_OMP_THREADS_BIND=nobind`: vLLM CPU otherwise pins every engine on a
+      host to the same cores and overrides `OMP_NUM_THREADS`; several ranks on one
+      small machine would pile onto core 0. Placement decides cores, not vLLM.
+    - `OMP_WAIT_POLICY=PASSIVE`, `KMP_BLOCKTIME=0`: idle OpenMP threads sleep
+      instead of spinning, which otherwise starves co-located processes (the FFN
+      rank) on few cores (measured: 16 → 47 tok/s on 2 cores).
+
+    `VLLM_CPU_*` variables are read only by the CPU backend.
+    """
+    return {
+        "OMP_NUM_THREADS": str(attention.num_threads),
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "OMP_WAIT_POLICY": "PASSIVE",
+        "KMP_BLOCKTIME": "0",
+    }

@@ -1,0 +1,157 @@
+"""One attention rank: a vLLM `AsyncLLM` behind vLLM's own OpenAI serving layer.
+
+`AttentionServer` is the body of the attention pool's Serve deployment (the builder
+in `afd_ray.serve.app` applies `serve.deployment`). Tokenization, chat templates,
+sampling-parameter checks, detokenization and SSE framing are vLLM's
+(`OpenAIServingChat`, `OpenAIServingCompletion`); this class only starts the engine
+and hands requests through.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import AsyncGenerator
+
+from vllm.entrypoints.openai.chat_completion.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+)
+from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+from vllm.entrypoints.openai.completion.protocol import CompletionRequest, CompletionResponse
+from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+from vllm.entrypoints.openai.models.protocol import BaseModelPath
+from vllm.entrypoints.openai.models.serving import OpenAIServingModels
+from vllm.entrypoints.serve.engine.protocol import ErrorResponse, ModelList
+from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+from vllm.renderers.online_renderer import OnlineRenderer
+from vllm.usage.usage_lib import UsageContext
+from vllm.v1.engine.async_llm import AsyncLLM
+
+from afd_ray.attention.engine import engine_args, engine_env
+from afd_ray.config import AttentionPoolConfig, ModelConfig
+from afd_ray.models.embedded import resolve_checkpoint
+
+__all__ = ["AttentionServer", "ChatChunk", "CompletionChunk"]
+
+logger = logging.getLogger(__name__)
+
+ChatChunk = str | ChatCompletionResponse | ErrorResponse
+"""An item of `AttentionServer.chat`: an SSE event, or the whole answer."""
+
+CompletionChunk = str | CompletionResponse | ErrorResponse
+"""An item of `AttentionServer.completions`: an SSE event, or the whole answer."""
+
+
+class AttentionServer:
+    """A vLLM engine that owns its requests and KV cache, serving OpenAI requests.
+
+    `chat` and `completions` are async generators so that one Serve streaming handle
+    carries both kinds of answer. Each yields either
+
+    - exactly one item, a response model or an `ErrorResponse` (a non-streaming
+      request, or a request of either kind rejected before generation), or
+    - `str` items, each one SSE event (`"data: {...}\\n\\n"`), the last being
+      `"data: [DONE]\\n\\n"` (an accepted `stream: true` request).
+
+    Bad input never raises: it comes back as an `ErrorResponse` whose
+    `error.code` is the HTTP status and whose `error.param` names the field.
+    Cancelling the generator (the client went away) aborts the request in vLLM.
+    """
+
+    async def __init__(self, model: ModelConfig, attention: AttentionPoolConfig) -> None:
+        """Start the engine; returns once it is ready to serve.
+
+        Sets the engine process environment (`engine_env`) in this process first,
+        so vLLM's EngineCore and worker processes inherit it.
+
+        Raises:
+            ValueError: `model.source` cannot be resolved to a checkpoint folder.
+        """
+        os.environ.update(engine_env(attention))
+        checkpoint = resolve_checkpoint(model)
+        self._engine = AsyncLLM.from_engine_args(
+            engine_args(model, attention, checkpoint),
+            usage_context=UsageContext.OPENAI_API_SERVER,
+        )
+        self._models = OpenAIServingModels(
+            self._engine, [BaseModelPath(name=model.name, model_path=str(checkpoint))]
+        )
+        renderer = OnlineRenderer(
+            self._engine.model_config,
+            self._engine.renderer,
+            request_logger=None,
+            chat_template=None,
+            chat_template_content_format="auto",
+        )
+        renderer.warmup()
+        self._chat = OpenAIServingChat(
+            self._engine,
+            self._models,
+            "assistant",
+            online_renderer=renderer,
+            request_logger=None,
+            chat_template=None,
+            chat_template_content_format="auto",
+        )
+        self._completion = OpenAIServingCompletion(
+            self._engine, self._models, online_renderer=renderer, request_logger=None
+        )
+
+    async def chat(self, request: ChatCompletionRequest) -> AsyncGenerator[ChatChunk, None]:
+        """Answer `POST /v1/chat/completions`; see the class docstring for the items."""
+        try:
+            answer = await self._chat.create_chat_completion(request)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes an error body
+            yield _error(exc)
+            return
+        if isinstance(answer, ChatCompletionResponse | ErrorResponse):
+            yield answer
+            return
+        async for event in answer:
+            yield event
+
+    async def completions(
+        self, request: CompletionRequest
+    ) -> AsyncGenerator[CompletionChunk, None]:
+        """Answer `POST /v1/completions`; see the class docstring for the items."""
+        try:
+            answer = await self._completion.create_completion(request)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes an error body
+            yield _error(exc)
+            return
+        if isinstance(answer, CompletionResponse | ErrorResponse):
+            yield answer
+            return
+        async for event in answer:
+            yield event
+
+    async def models(self) -> ModelList:
+        """The served model, as `GET /v1/models` lists it."""
+        return await self._models.show_available_models()
+
+    async def num_unfinished_requests(self) -> int:
+        """Requests the engine holds now: admitted and neither finished nor aborted."""
+        return self._engine.get_num_unfinished_requests()
+
+    async def check_health(self) -> None:
+        """Serve's periodic health check.
+
+        Raises:
+            vllm.v1.engine.exceptions.EngineDeadError: the engine process died;
+                Serve then replaces this replica.
+        """
+        await self._engine.check_health()
+
+    def __del__(self) -> None:
+        """Stop the EngineCore process when Serve stops this replica."""
+        if hasattr(self, "_engine"):
+            self._engine.shutdown()
+
+
+def _error(exc: Exception) -> ErrorResponse:
+    """vLLM's mapping of an exception to an OpenAI error body (4xx for bad input)."""
+    response = create_error_response(exc)
+    if response.error.code >= 500:
+        logger.exception("request failed", exc_info=exc)
+    return response

@@ -1,0 +1,147 @@
+"""The OpenAI-compatible HTTP front: parses requests, forwards them to the attention
+pool over Serve handles, and turns answers into JSON or SSE responses.
+
+Requests are parsed into vLLM's own protocol models, so the accepted fields and
+their checks are exactly vLLM's. Every error leaves as an OpenAI error body,
+`{"error": {"message", "type", "param", "code"}}` with `param` naming the field and
+`code` equal to the HTTP status; the replicas are never disturbed by bad input.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse, ModelList
+from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+from vllm.entrypoints.serve.exception_handling.handlers.validation import clean_loc_for_param
+from vllm.exceptions import VLLMError
+
+from afd_ray.attention.server import ChatChunk, CompletionChunk
+
+__all__ = ["Ingress", "app"]
+
+logger = logging.getLogger(__name__)
+
+app = FastAPI(title="afd_ray", summary="OpenAI-compatible API of an AFD deployment")
+
+
+def _error_response(error: ErrorResponse) -> JSONResponse:
+    return JSONResponse(error.model_dump(), status_code=error.error.code)
+
+
+@app.exception_handler(RequestValidationError)
+async def _invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
+    """A body that is not JSON, or does not fit vLLM's request model: 400."""
+    first = exc.errors()[0]
+    # loc is ("body", field, ...); for malformed JSON it is ("body", offset).
+    field = first["loc"][1:] if first["type"] != "json_invalid" else ()
+    param = clean_loc_for_param(field) if field else "body"
+    more = f" (and {len(exc.errors()) - 1} more errors)" if len(exc.errors()) > 1 else ""
+    error = ErrorInfo(
+        message=f"{param}: {first['msg']}{more}",
+        type="BadRequestError",
+        param=param,
+        code=HTTPStatus.BAD_REQUEST,
+    )
+    return _error_response(ErrorResponse(error=error))
+
+
+@app.exception_handler(VLLMError)
+async def _vllm_error(_: Request, exc: VLLMError) -> JSONResponse:
+    """A check inside vLLM's request models (e.g. no `prompt`): vLLM's own status."""
+    return _error_response(create_error_response(exc))
+
+
+@app.exception_handler(Exception)
+async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+    """Anything else (a replica died, a bug): 500 with an OpenAI error body."""
+    logger.exception("request failed", exc_info=exc)
+    error = ErrorInfo(
+        message=f"{type(exc).__name__}: internal error",
+        type="InternalServerError",
+        code=HTTPStatus.INTERNAL_SERVER_ERROR,
+    )
+    return _error_response(ErrorResponse(error=error))
+
+
+async def _respond(answer: DeploymentResponseGenerator) -> Response:
+    """JSON for a single response or error item, SSE for a stream of `str` events."""
+    first: ChatChunk | CompletionChunk = await anext(answer)
+    if isinstance(first, ErrorResponse):
+        return _error_response(first)
+    if not isinstance(first, str):
+        return JSONResponse(first.model_dump())
+    return StreamingResponse(_events(first, answer), media_type="text/event-stream")
+
+
+async def _events(first: str, rest: DeploymentResponseGenerator) -> AsyncIterator[str]:
+    yield first
+    async for event in rest:
+        yield event
+
+
+@serve.ingress(app)
+class Ingress:
+    """The HTTP routes of the application (wrap with `serve.deployment` to deploy).
+
+    Args:
+        attention: handle to the `AttentionServer` deployment (the attention pool).
+        coordinator: handle to the AFD `Coordinator` deployment, or None when the
+            application runs without one (plain vLLM); `/afd/status` is then 503.
+    """
+
+    def __init__(
+        self, attention: DeploymentHandle, coordinator: DeploymentHandle | None
+    ) -> None:
+        self._attention = attention
+        self._attention_stream = attention.options(stream=True)
+        self._coordinator = coordinator
+
+    @app.get("/v1/models")
+    async def models(self) -> ModelList:
+        """The served model (OpenAI `GET /v1/models`)."""
+        return await self._attention.models.remote()
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat(self, request: ChatCompletionRequest) -> Response:
+        """OpenAI chat completions; `stream: true` answers `text/event-stream`."""
+        return await _respond(self._attention_stream.chat.remote(request))
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(self, request: CompletionRequest) -> Response:
+        """OpenAI text completions; `stream: true` answers `text/event-stream`."""
+        return await _respond(self._attention_stream.completions.remote(request))
+
+    @app.get("/health")
+    async def health(self) -> Response:
+        """200 when an attention replica passes its engine health check, else 503."""
+        try:
+            await self._attention.check_health.remote()
+        except Exception:  # noqa: BLE001 - any failure means not healthy
+            logger.exception("attention health check failed")
+            return Response(status_code=HTTPStatus.SERVICE_UNAVAILABLE)
+        return Response(status_code=HTTPStatus.OK)
+
+    # --- AFD control plane ---------------------------------------------------------
+
+    @app.get("/afd/status", response_model=None)
+    async def afd_status(self) -> Response:
+        """The coordinator's view of both pools (`AFDStatus`), or 503 without one."""
+        if self._coordinator is None:
+            error = ErrorInfo(
+                message="this application runs without an AFD coordinator",
+                type="ServiceUnavailableError",
+                code=HTTPStatus.SERVICE_UNAVAILABLE,
+            )
+            return _error_response(ErrorResponse(error=error))
+        status = await self._coordinator.status.remote()
+        return JSONResponse(status.model_dump(mode="json"))

@@ -1,0 +1,26 @@
+"""`build_app` rejects bad YAML `args` before anything is deployed."""
+
+from __future__ import annotations
+
+import pydantic
+import pytest
+
+from afd_ray.serve.app import build_app
+
+
+@pytest.mark.parametrize(
+    ("args", "field"),
+    [
+        ({"attention": {"num_ranks": 0}}, "attention.num_ranks"),
+        ({"attention": {"num_rank": 2}}, "attention.num_rank"),
+        ({"platform": "tpu"}, "platform"),
+        ({"ingress": {"max_ongoing_requests": -1}}, "ingress.max_ongoing_requests"),
+    ],
+    ids=["out-of-bounds", "typo", "unknown-platform", "negative-ingress-limit"],
+)
+def test_invalid_args_name_the_field(args: dict[str, object], field: str) -> None:
+    with pytest.raises(pydantic.ValidationError) as error:
+        build_app(args)
+    (only,) = error.value.errors()
+    assert ".".join(str(part) for part in only["loc"]) == field
+    assert field in str(error.value)

@@ -1,0 +1,241 @@
+"""The OpenAI API of `deployments/afd.yaml`, over real HTTP, on a real Ray cluster.
+
+The application is the shipped YAML's, with the plain-vLLM attention pool serving
+the embedded SmolLM2-135M-Instruct on CPU; it is deployed once for the module.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+import yaml
+from ray import serve
+from ray.util import placement_group_table
+
+from afd_ray.serve.app import build_app
+
+YAML = Path(__file__).parents[2] / "deployments" / "afd.yaml"
+MODEL = "smollm2"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def args() -> dict[str, object]:
+    """The `args` of the `afd` application in the shipped YAML."""
+    (application,) = yaml.safe_load(YAML.read_text())["applications"]
+    return application["args"]
+
+
+@pytest.fixture(scope="module")
+def client(ray_cluster: None, args: dict[str, object]) -> Iterator[httpx.Client]:
+    """An HTTP client of the running application (Serve on a free loopback port)."""
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(args), name="afd", route_prefix="/")
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as http:
+        yield http
+    serve.shutdown()
+
+
+def _chat(**fields: object) -> dict[str, object]:
+    return {"model": MODEL, "messages": QUESTION, "temperature": 0, "max_tokens": 24} | fields
+
+
+def _completion(**fields: object) -> dict[str, object]:
+    body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8}
+    return body | {"temperature": 0} | fields
+
+
+def _sse_payloads(response: httpx.Response) -> list[str]:
+    """The `data:` payloads of an SSE response, in order."""
+    return [line.removeprefix("data: ") for line in response.iter_lines() if line]
+
+
+def test_models_lists_the_served_model(client: httpx.Client) -> None:
+    response = client.get("/v1/models")
+    assert response.status_code == 200
+    models = response.json()["data"]
+    assert [m["id"] for m in models] == [MODEL]
+    assert models[0]["max_model_len"] == 2048
+
+
+def test_chat_answers_paris(client: httpx.Client) -> None:
+    response = client.post("/v1/chat/completions", json=_chat())
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["object"] == "chat.completion"
+    assert body["model"] == MODEL
+    (choice,) = body["choices"]
+    assert choice["message"]["role"] == "assistant"
+    assert "Paris" in choice["message"]["content"]
+    assert 0 < body["usage"]["completion_tokens"] <= 24
+
+
+def test_completion_continues_the_prompt(client: httpx.Client) -> None:
+    response = client.post("/v1/completions", json=_completion())
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["object"] == "text_completion"
+    (choice,) = body["choices"]
+    assert "Paris" in choice["text"]
+    assert body["usage"]["completion_tokens"] == 8
+    assert choice["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize(
+    ("path", "request_body", "full_text", "delta_text"),
+    [
+        (
+            "/v1/chat/completions",
+            _chat(),
+            lambda body: body["choices"][0]["message"]["content"],
+            lambda chunk: chunk["choices"][0]["delta"].get("content") or "",
+        ),
+        (
+            "/v1/completions",
+            _completion(max_tokens=16),
+            lambda body: body["choices"][0]["text"],
+            lambda chunk: chunk["choices"][0]["text"],
+        ),
+    ],
+    ids=["chat", "completions"],
+)
+def test_streaming_joins_into_the_non_streaming_text(
+    client: httpx.Client, path, request_body, full_text, delta_text
+) -> None:
+    expected = full_text(client.post(path, json=request_body).json())
+
+    with client.stream("POST", path, json=request_body | {"stream": True}) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        payloads = _sse_payloads(response)
+
+    assert payloads[-1] == "[DONE]"
+    chunks = [json.loads(p) for p in payloads[:-1]]
+    assert len(chunks) > 2, "expected one event per token, not one blob"
+    assert "".join(delta_text(c) for c in chunks) == expected
+
+
+def _too_long_prompt() -> str:
+    return "hello " * 2100  # > 2048 tokens, the context of the YAML's model
+
+
+@pytest.mark.parametrize(
+    ("path", "content", "status", "param"),
+    [
+        ("/v1/chat/completions", b'{"model": "smollm2", "messages": [', 400, "body"),
+        ("/v1/chat/completions", json.dumps(_chat(model="gpt-17")), 404, "model"),
+        ("/v1/chat/completions", json.dumps(_chat(model="gpt-17", stream=True)), 404, "model"),
+        ("/v1/chat/completions", json.dumps(_chat(max_tokens=-1)), 400, "max_tokens"),
+        ("/v1/completions", json.dumps(_completion(max_tokens=-5)), 400, "max_tokens"),
+        ("/v1/chat/completions", json.dumps(_chat(messages="hi")), 400, "messages"),
+        (
+            "/v1/chat/completions",
+            json.dumps(_chat(messages=[{"role": "user", "content": _too_long_prompt()}])),
+            400,
+            "input_tokens",
+        ),
+        (
+            "/v1/completions",
+            json.dumps(_completion(prompt=_too_long_prompt(), stream=True)),
+            400,
+            "input_tokens",
+        ),
+    ],
+    ids=[
+        "malformed-json",
+        "unknown-model",
+        "unknown-model-stream",
+        "negative-max-tokens-chat",
+        "negative-max-tokens-completion",
+        "messages-not-a-list",
+        "prompt-over-context-chat",
+        "prompt-over-context-completion-stream",
+    ],
+)
+def test_bad_input_is_an_openai_error_and_serving_goes_on(
+    client: httpx.Client, path: str, content: bytes | str, status: int, param: str
+) -> None:
+    response = client.post(path, content=content, headers={"content-type": "application/json"})
+
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/json"
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param
+    assert error["code"] == status
+    assert error["message"]
+
+    good = client.post("/v1/chat/completions", json=_chat(max_tokens=4))
+    assert good.status_code == 200, good.text
+
+
+def test_client_disconnect_aborts_the_request_in_vllm(client: httpx.Client) -> None:
+    attention = serve.get_deployment_handle("attention", app_name="afd")
+    long_answer = _chat(max_tokens=1500, ignore_eos=True, stream=True)
+
+    with client.stream("POST", "/v1/chat/completions", json=long_answer) as response:
+        events = response.iter_lines()
+        for _ in range(4):
+            next(events)
+        assert attention.num_unfinished_requests.remote().result() == 1
+
+    deadline = time.monotonic() + 10
+    while attention.num_unfinished_requests.remote().result() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert attention.num_unfinished_requests.remote().result() == 0
+
+
+def test_health(client: httpx.Client) -> None:
+    assert client.get("/health").status_code == 200
+
+
+def test_afd_status_without_coordinator_is_503(client: httpx.Client) -> None:
+    response = client.get("/afd/status")
+    assert response.status_code == 503
+    assert response.json()["error"]["type"] == "ServiceUnavailableError"
+
+
+def test_each_attention_rank_has_its_own_strict_pack_group(
+    client: httpx.Client, args: dict[str, object]
+) -> None:
+    attention = args["attention"]
+    status = serve.status().applications["afd"].deployments["attention"]
+    assert status.replica_states == {"RUNNING": attention["num_ranks"]}
+
+    # Serve names a replica's placement group after the replica actor.
+    ranks = [
+        group
+        for group in placement_group_table().values()
+        if group["name"].startswith("SERVE_REPLICA::afd#attention#")
+        and group["state"] == "CREATED"
+    ]
+    assert len(ranks) == attention["num_ranks"]
+    bundle = {"CPU": attention["bundle_resources"]}
+    assert all(group["strategy"] == "STRICT_PACK" for group in ranks)
+    assert [group["bundles"] for group in ranks] == [{0: bundle}] * attention["num_ranks"]
+
+
+def test_engine_processes_inherit_the_engine_env(client: httpx.Client) -> None:
+    """vLLM's EngineCore and worker processes run with the env of `engine_env`."""
+    ours = psutil.Process().children(recursive=True)  # the local cluster's processes
+    engines = [p for p in ours if " ".join(p.cmdline()).startswith("VLLM::")]
+    assert engines, "no vLLM engine process found"
+    for process in engines:
+        env = process.environ()
+        assert env["OMP_NUM_THREADS"] == "1"
+        assert env["OMP_WAIT_POLICY"] == "PASSIVE"
+        assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
