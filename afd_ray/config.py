@@ -104,11 +104,12 @@ class ConnectorConfig(_Section):
     """The A2F/F2A transport between attention and FFN ranks."""
 
     timeout_s: float = Field(120.0, gt=0)
-    """Longest wait for any one A2F/F2A message or a step header from a busy peer;
-    past it the receive raises `ConnectorTimeout`."""
+    """Bound on pair rendezvous and on every A2F/F2A receive, seconds; past it the
+    receive fails with the process group's error instead of hanging."""
 
-    poll_interval_us: int = Field(50, ge=0)
-    """Sleep between polls while an FFN rank waits for step headers."""
+    host: str | None = "127.0.0.1"
+    """Address FFN ranks bind their header socket and rendezvous store to; None means
+    the Ray node's IP (needed when the pools span several nodes)."""
 
 
 class IngressConfig(_Section):

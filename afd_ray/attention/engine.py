@@ -1,7 +1,9 @@
 """The vLLM engine of one attention rank: its engine args and its process environment.
 
-Everything vLLM-specific that the config tree decides lives here, so that turning a
-plain vLLM rank into an AFD attention rank changes `engine_args` only.
+Everything vLLM-specific that the config tree decides lives here. What makes the
+engine an AFD attention rank is two arguments: `hf_overrides` swaps the checkpoint's
+architecture for its AFD class (attention role only, MLPs behind `remote_ffn`), and
+`worker_extension_cls` adds AFD inspection to vLLM's worker.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from pathlib import Path
 
 from vllm.engine.arg_utils import AsyncEngineArgs
 
+from afd_ray.attention.plugin import afd_architecture
+from afd_ray.attention.worker import AFDWorkerExtension
 from afd_ray.config import AttentionPoolConfig, ModelConfig
 
 __all__ = ["engine_args", "engine_env"]
@@ -28,6 +32,9 @@ def engine_args(
         checkpoint: a local Hugging Face folder (config.json, safetensors,
             tokenizer), as returned by `afd_ray.models.embedded.resolve_checkpoint`.
 
+    Raises:
+        ValueError: the checkpoint's architecture has no AFD class (names `model.source`).
+
     The KV-cache budget goes through `kv_cache_memory_bytes`, which every vLLM
     platform honours; on CPU it is what `VLLM_CPU_KVCACHE_SPACE` would set, without
     that variable's whole-GiB granularity.
@@ -40,6 +47,8 @@ def engine_args(
         max_num_seqs=attention.max_num_seqs,
         enforce_eager=attention.enforce_eager,
         kv_cache_memory_bytes=int(attention.kv_cache_gib * GIB),
+        hf_overrides={"architectures": [afd_architecture(checkpoint)]},
+        worker_extension_cls=f"{AFDWorkerExtension.__module__}.{AFDWorkerExtension.__qualname__}",
     )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from transformers import AutoConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 __all__ = ["AFD_ARCHITECTURES", "afd_architecture", "register"]
 
@@ -25,7 +26,10 @@ def afd_architecture(checkpoint: Path) -> str:
         ValueError: the checkpoint's architecture has no AFD class; the message names
             `model.source` and lists the supported ones.
     """
-    architectures = AutoConfig.from_pretrained(checkpoint).architectures or []
+    config = AutoConfig.from_pretrained(checkpoint)
+    # A config without `architectures` (e.g. converted from GGUF) means the causal-LM
+    # class of its model_type, as transformers and vLLM read it.
+    architectures = config.architectures or [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)]
     for arch in architectures:
         if arch in AFD_ARCHITECTURES:
             return "AFD" + arch

@@ -13,6 +13,7 @@ import logging
 import os
 from collections.abc import AsyncGenerator
 
+from ray.serve.handle import DeploymentHandle
 from vllm.entrypoints.openai.chat_completion.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -29,7 +30,8 @@ from vllm.usage.usage_lib import UsageContext
 from vllm.v1.engine.async_llm import AsyncLLM
 
 from afd_ray.attention.engine import engine_args, engine_env
-from afd_ray.config import AttentionPoolConfig, ModelConfig
+from afd_ray.attention.ffn_client import ASSIGNMENT_ENV
+from afd_ray.config import AttentionPoolConfig, ConnectorConfig, ModelConfig
 from afd_ray.models.embedded import resolve_checkpoint
 
 __all__ = ["AttentionServer", "ChatChunk", "CompletionChunk"]
@@ -59,16 +61,29 @@ class AttentionServer:
     Cancelling the generator (the client went away) aborts the request in vLLM.
     """
 
-    async def __init__(self, model: ModelConfig, attention: AttentionPoolConfig) -> None:
-        """Start the engine; returns once it is ready to serve.
+    async def __init__(
+        self,
+        model: ModelConfig,
+        attention: AttentionPoolConfig,
+        connector: ConnectorConfig,
+        coordinator: DeploymentHandle,
+    ) -> None:
+        """Get an FFN peer from the coordinator, then start the engine; returns once
+        it is ready to serve.
 
-        Sets the engine process environment (`engine_env`) in this process first,
-        so vLLM's EngineCore and worker processes inherit it.
+        The engine process environment (`engine_env`, plus the FFN peer assignment
+        under `AFD_RAY_ASSIGNMENT`) is set in this process first, so vLLM's EngineCore
+        and worker processes inherit it; the worker opens the pair channel from it.
 
         Raises:
-            ValueError: `model.source` cannot be resolved to a checkpoint folder.
+            ValueError: `model.source` cannot be resolved to a checkpoint folder, or
+                its architecture has no AFD class.
+            TimeoutError: no FFN rank registered within `connector.timeout_s`.
         """
+        assignment = await coordinator.assign_attention.remote(connector.timeout_s)
+        self.rank = assignment.peer
         os.environ.update(engine_env(attention))
+        os.environ[ASSIGNMENT_ENV] = assignment.model_dump_json()
         checkpoint = resolve_checkpoint(model)
         self._engine = AsyncLLM.from_engine_args(
             engine_args(model, attention, checkpoint),
@@ -133,6 +148,12 @@ class AttentionServer:
     async def num_unfinished_requests(self) -> int:
         """Requests the engine holds now: admitted and neither finished nor aborted."""
         return self._engine.get_num_unfinished_requests()
+
+    async def param_bytes(self) -> dict[str, int]:
+        """Resident parameter bytes of the attention-role model in the vLLM worker,
+        keyed by parameter name without layer indices (`AFDWorkerExtension`)."""
+        (totals,) = await self._engine.collective_rpc("afd_param_bytes")
+        return totals
 
     async def check_health(self) -> None:
         """Serve's periodic health check.

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections import defaultdict
 
 import ray
 import torch
@@ -46,7 +47,7 @@ class FFNServer:
         dtype = getattr(torch, model.dtype)
         stack = load_ffn_stack(resolve_checkpoint(model), dtype, torch_device(platform))
         channel = FFNChannel(
-            ray.util.get_node_ip_address(), collective_backend(platform), connector.timeout_s
+            connector.host or ray.util.get_node_ip_address(), collective_backend(platform), connector.timeout_s
         )
         self._coordinator = coordinator
         self.rank = await coordinator.register_ffn.remote(channel.address)
@@ -59,6 +60,15 @@ class FFNServer:
         while True:
             await self._coordinator.report_ffn.remote(self.rank, self._runtime.stats)
             await asyncio.sleep(_REPORT_PERIOD_S)
+
+    async def param_bytes(self) -> dict[str, int]:
+        """Resident parameter bytes of this rank's FFN model, keyed by parameter name
+        without layer indices (e.g. `layers.down_proj.weight`)."""
+        totals: dict[str, int] = defaultdict(int)
+        for name, param in self._runtime.model.named_parameters():
+            key = ".".join(p for p in name.split(".") if not p.isdigit())
+            totals[key] += param.numel() * param.element_size()
+        return dict(totals)
 
     async def check_health(self) -> None:
         """Serve's health check.

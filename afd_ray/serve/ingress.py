@@ -95,16 +95,18 @@ class Ingress:
 
     Args:
         attention: handle to the `AttentionServer` deployment (the attention pool).
-        coordinator: handle to the AFD `Coordinator` deployment, or None when the
-            application runs without one (plain vLLM); `/afd/status` is then 503.
+        coordinator: handle to the `Coordinator` deployment.
+        ffn: handle to the `FFNServer` deployment (the FFN pool), for health only;
+            no request is ever routed there.
     """
 
     def __init__(
-        self, attention: DeploymentHandle, coordinator: DeploymentHandle | None
+        self, attention: DeploymentHandle, coordinator: DeploymentHandle, ffn: DeploymentHandle
     ) -> None:
         self._attention = attention
         self._attention_stream = attention.options(stream=True)
         self._coordinator = coordinator
+        self._ffn = ffn
 
     @app.get("/v1/models")
     async def models(self) -> ModelList:
@@ -123,11 +125,13 @@ class Ingress:
 
     @app.get("/health")
     async def health(self) -> Response:
-        """200 when an attention replica passes its engine health check, else 503."""
+        """200 when an attention replica and an FFN replica pass their health checks,
+        else 503."""
         try:
             await self._attention.check_health.remote()
+            await self._ffn.check_health.remote()
         except Exception:  # noqa: BLE001 - any failure means not healthy
-            logger.exception("attention health check failed")
+            logger.exception("health check failed")
             return Response(status_code=HTTPStatus.SERVICE_UNAVAILABLE)
         return Response(status_code=HTTPStatus.OK)
 
@@ -135,13 +139,6 @@ class Ingress:
 
     @app.get("/afd/status", response_model=None)
     async def afd_status(self) -> Response:
-        """The coordinator's view of both pools (`AFDStatus`), or 503 without one."""
-        if self._coordinator is None:
-            error = ErrorInfo(
-                message="this application runs without an AFD coordinator",
-                type="ServiceUnavailableError",
-                code=HTTPStatus.SERVICE_UNAVAILABLE,
-            )
-            return _error_response(ErrorResponse(error=error))
+        """The coordinator's view of both pools (`AFDStatus`)."""
         status = await self._coordinator.status.remote()
         return JSONResponse(status.model_dump(mode="json"))

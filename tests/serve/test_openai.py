@@ -203,30 +203,52 @@ def test_health(client: httpx.Client) -> None:
     assert client.get("/health").status_code == 200
 
 
-def test_afd_status_without_coordinator_is_503(client: httpx.Client) -> None:
-    response = client.get("/afd/status")
-    assert response.status_code == 503
-    assert response.json()["error"]["type"] == "ServiceUnavailableError"
+def _ffn_layers(client: httpx.Client) -> int:
+    """FFN rank 0's layer counter once it has been the same for 1 s (counters are
+    pushed to the coordinator every 0.2 s)."""
+    seen = [client.get("/afd/status").json()["ffn"][0]["layers"]]
+    while len(seen) < 5 or len(set(seen[-5:])) > 1:
+        time.sleep(0.25)
+        seen.append(client.get("/afd/status").json()["ffn"][0]["layers"])
+    return seen[-1]
 
 
-def test_each_attention_rank_has_its_own_strict_pack_group(
-    client: httpx.Client, args: dict[str, object]
+def test_afd_status_shows_the_mlps_ran_on_the_ffn_rank(client: httpx.Client) -> None:
+    status = client.get("/afd/status").json()
+    assert status["epoch"] == 0
+    assert status["attention"] == [{"rank": 0, "ffn_peer": 0}]
+    assert [ffn["rank"] for ffn in status["ffn"]] == [0]
+
+    before = _ffn_layers(client)
+    response = client.post("/v1/chat/completions", json=_chat())
+    assert "Paris" in response.json()["choices"][0]["message"]["content"]
+    after = _ffn_layers(client)
+    layers = 30  # SmolLM2-135M has 30 decoder layers, every MLP on the FFN rank
+    completion_tokens = response.json()["usage"]["completion_tokens"]
+    assert after > before
+    assert (after - before) % layers == 0
+    assert (after - before) // layers >= completion_tokens  # >= one step per token
+
+
+@pytest.mark.parametrize("pool", ["attention", "ffn"])
+def test_each_pool_member_has_its_own_strict_pack_group(
+    client: httpx.Client, args: dict[str, object], pool: str
 ) -> None:
-    attention = args["attention"]
-    status = serve.status().applications["afd"].deployments["attention"]
-    assert status.replica_states == {"RUNNING": attention["num_ranks"]}
+    section = args[pool]
+    status = serve.status().applications["afd"].deployments[pool]
+    assert status.replica_states == {"RUNNING": section["num_ranks"]}
 
     # Serve names a replica's placement group after the replica actor.
-    ranks = [
+    members = [
         group
         for group in placement_group_table().values()
-        if group["name"].startswith("SERVE_REPLICA::afd#attention#")
+        if group["name"].startswith(f"SERVE_REPLICA::afd#{pool}#")
         and group["state"] == "CREATED"
     ]
-    assert len(ranks) == attention["num_ranks"]
-    bundle = {"CPU": attention["bundle_resources"]}
-    assert all(group["strategy"] == "STRICT_PACK" for group in ranks)
-    assert [group["bundles"] for group in ranks] == [{0: bundle}] * attention["num_ranks"]
+    assert len(members) == section["num_ranks"]
+    bundle = {"CPU": section["bundle_resources"]}
+    assert all(group["strategy"] == "STRICT_PACK" for group in members)
+    assert [group["bundles"] for group in members] == [{0: bundle}] * section["num_ranks"]
 
 
 def test_engine_processes_inherit_the_engine_env(client: httpx.Client) -> None:

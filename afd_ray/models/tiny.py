@@ -1,0 +1,217 @@
+"""Tiny random test checkpoints, deterministic under a seed.
+
+Each family is a few layers of width 128 with a 512-token byte-level BPE vocabulary,
+small enough to start in vLLM CPU in seconds. They exercise the code paths of the real
+models: dense Llama (GQA), Qwen3-MoE (softmax top-k routing),
+DeepSeek-V2 (MLA, shared expert, group-limited greedy routing) and DeepSeek-V3 (MLA
+with a q LoRA, shared expert, grouped sigmoid routing with a score-correction bias).
+
+The DeepSeek models keep `kv_lora_rank=512` and `qk_rope_head_dim=64`: vLLM's CPU MLA
+kernel only supports a latent size of 576.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from pydoc_data.topics import topics
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import (
+    AutoModelForCausalLM,
+    DeepseekV2Config,
+    DeepseekV3Config,
+    LlamaConfig,
+    PretrainedConfig,
+    PreTrainedTokenizerFast,
+    Qwen3MoeConfig,
+)
+
+from afd_ray.models import FAMILIES, Family
+from afd_ray.models._folder import build_once, is_checkpoint
+
+__all__ = ["BUILD_INFO", "build_tiny", "tiny_config", "train_tokenizer"]
+
+VOCAB_SIZE = 512
+BOS, EOS = "<s>", "</s>"  # token ids 0 and 1
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ message['role'] }}: {{ message['content'] }}{{ eos_token }}\n"
+    "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
+)
+BUILD_INFO = "afd_ray_tiny.json"
+"""File in each tiny folder recording the family and seed it was built from."""
+
+_COMMON = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=128,
+    intermediate_size=256,
+    num_attention_heads=4,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-6,
+    bos_token_id=0,
+    eos_token_id=1,
+    pad_token_id=1,
+    tie_word_embeddings=False,
+    dtype="float32",
+)
+_MLA = dict(
+    num_hidden_layers=3,
+    first_k_dense_replace=1,  # layer 0 dense, layers 1-2 MoE
+    num_key_value_heads=4,
+    kv_lora_rank=512,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=32,
+    v_head_dim=32,
+    moe_intermediate_size=64,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    n_group=4,  # 2 experts per group
+    topk_group=2,
+)
+
+
+def tiny_config(family: Family) -> PretrainedConfig:
+    """The transformers config of one tiny family (float32, vocab 512, hidden 128).
+
+    Raises:
+        ValueError: unknown `family`.
+    """
+    if family == "llama":
+        return LlamaConfig(
+            **_COMMON,
+            num_hidden_layers=2,
+            num_key_value_heads=2,
+            head_dim=32,
+        )
+    if family == "qwen3_moe":
+        return Qwen3MoeConfig(
+            **_COMMON,
+            num_hidden_layers=2,
+            num_key_value_heads=2,
+            head_dim=32,
+            moe_intermediate_size=64,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+        )
+    if family == "deepseek_v3":
+        config = DeepseekV3Config(
+            **_COMMON,
+            **_MLA,
+            q_lora_rank=64,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+            num_mtp_layers=0,  # no multi-token-prediction weights are saved
+        )
+        # Read by vLLM (transformers' V3 always routes this way).
+        config.topk_method = "noaux_tc"
+        config.scoring_func = "sigmoid"
+        return config
+    if family == "deepseek_v2":
+        config = DeepseekV2Config(
+            **_COMMON,
+            **_MLA,
+            q_lora_rank=None,
+            topk_method="group_limited_greedy",
+            norm_topk_prob=False,
+            routed_scaling_factor=1.0,
+        )
+        config.scoring_func = "softmax"
+        return config
+    raise ValueError(f"unknown tiny family {family!r}; expected one of {FAMILIES}")
+
+
+def train_tokenizer() -> PreTrainedTokenizerFast:
+    """A 512-token byte-level BPE trained on the stdlib's `pydoc_data.topics`.
+
+    Deterministic (same merges on every call, about 0.2 s). Ids 0 and 1 are `<s>`
+    (bos, prepended to plain text) and `</s>` (eos and pad); the chat template renders
+    `<s>role: content</s>\\n` per message and ends with `assistant: `.
+    """
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, 0)]
+    )
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=[BOS, EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator((topics[key] for key in sorted(topics)), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=EOS,
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+@torch.no_grad()
+def _init_weights(model: torch.nn.Module, seed: int) -> None:
+    """Fill every weight from one generator seeded with `seed`, in name order.
+
+    Matrices, the embedding included, get N(0, 1/fan_in): activations stay O(1)
+    through the layers, logits come out with a spread of about 1 (clear greedy
+    winners), and the token embedding stays small against the layer outputs, so a
+    tied lm_head does not just repeat the last token. Norms get 1,
+    DeepSeek-V3's `e_score_correction_bias` N(0, 0.05^2), other biases 0.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    seen: set[int] = set()
+    for name, t in sorted(model.state_dict().items()):
+        if t.data_ptr() in seen:  # tied lm_head
+            continue
+        seen.add(t.data_ptr())
+        if name.endswith("e_score_correction_bias"):
+            t.copy_(torch.randn(t.shape, generator=gen) * 0.05)
+        elif t.ndim >= 2:  # [out, in] or experts [E, out, in]
+            t.copy_(torch.randn(t.shape, generator=gen) * t.shape[-1] ** -0.5)
+        elif name.endswith("weight"):  # RMSNorm
+            t.fill_(1.0)
+        else:
+            t.zero_()
+
+
+def _build(family: Family, seed: int, out: Path) -> None:
+    config = tiny_config(family)
+    tokenizer = train_tokenizer()
+    if len(tokenizer) > config.vocab_size:
+        raise RuntimeError(f"tokenizer has {len(tokenizer)} tokens > vocab {config.vocab_size}")
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _init_weights(model, seed)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / BUILD_INFO).write_text(json.dumps({"family": family, "seed": seed}) + "\n")
+
+
+def build_tiny(family: Family, out_dir: Path, seed: int = 0) -> Path:
+    """Build the tiny `family` checkpoint into `out_dir` (once) and return `out_dir`.
+
+    The folder holds `config.json`, `model.safetensors` (float32, about 1-4 MB),
+    `generation_config.json`, the tokenizer of `train_tokenizer()` and `BUILD_INFO`.
+    The same `(family, seed)` gives byte-identical weights; a folder already built
+    from them is reused.
+
+    Raises:
+        ValueError: unknown `family`.
+        FileExistsError: `out_dir` holds a checkpoint of another family or seed.
+        OSError: `out_dir` exists and is neither a checkpoint nor an empty folder.
+    """
+    if family not in FAMILIES:
+        raise ValueError(f"unknown tiny family {family!r}; expected one of {FAMILIES}")
+    if is_checkpoint(out_dir):
+        info = out_dir / BUILD_INFO
+        built = json.loads(info.read_text()) if info.is_file() else None
+        if built != {"family": family, "seed": seed}:
+            raise FileExistsError(
+                f"{out_dir} already holds a checkpoint ({built or 'not a tiny build'}), "
+                f"not tiny {family} seed {seed}"
+            )
+    return build_once(Path(out_dir), lambda tmp: _build(family, seed, tmp))
