@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
+from pathlib import Path
 
+import httpx
 import pytest
 import ray
+import yaml
+from ray import serve
+
+from afd_ray.serve.app import build_app
+
+YAML = Path(__file__).parents[1] / "deployments" / "afd.yaml"
 
 
 @pytest.fixture(scope="session")
@@ -31,3 +40,28 @@ def ray_cluster() -> Iterator[None]:
         ray.init(address="local", include_dashboard=False, num_cpus=8)
         yield
         ray.shutdown()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def args() -> dict[str, object]:
+    """The `args` of the `afd` application in the shipped `deployments/afd.yaml`."""
+    (application,) = yaml.safe_load(YAML.read_text())["applications"]
+    return application["args"]
+
+
+@pytest.fixture(scope="session")
+def client(ray_cluster: None, args: dict[str, object]) -> Iterator[httpx.Client]:
+    """An HTTP client of the shipped application, deployed once per session on a free
+    loopback port (its vLLM engine and FFN rank are reused by every test)."""
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(args), name="afd", route_prefix="/")
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as http:
+        yield http
+    serve.shutdown()

@@ -1,53 +1,22 @@
 """The OpenAI API of `deployments/afd.yaml`, over real HTTP, on a real Ray cluster.
 
-The application is the shipped YAML's, with the plain-vLLM attention pool serving
-the embedded SmolLM2-135M-Instruct on CPU; it is deployed once for the module.
+The application is the shipped YAML's (SmolLM2-135M-Instruct on CPU, 1A:1F), deployed
+once for the session by the `client` fixture of tests/conftest.py.
 """
 
 from __future__ import annotations
 
 import json
-import socket
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import psutil
 import pytest
-import yaml
 from ray import serve
 from ray.util import placement_group_table
 
-from afd_ray.serve.app import build_app
-
-YAML = Path(__file__).parents[2] / "deployments" / "afd.yaml"
 MODEL = "smollm2"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def args() -> dict[str, object]:
-    """The `args` of the `afd` application in the shipped YAML."""
-    (application,) = yaml.safe_load(YAML.read_text())["applications"]
-    return application["args"]
-
-
-@pytest.fixture(scope="module")
-def client(ray_cluster: None, args: dict[str, object]) -> Iterator[httpx.Client]:
-    """An HTTP client of the running application (Serve on a free loopback port)."""
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(args), name="afd", route_prefix="/")
-    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as http:
-        yield http
-    serve.shutdown()
 
 
 def _chat(**fields: object) -> dict[str, object]:

@@ -1,0 +1,73 @@
+"""The AFD Llama split against plain vLLM, and weight ownership by role.
+
+Both go through the session's application (`client` fixture: SmolLM2-135M-Instruct,
+float32, 1A:1F over gloo) and compare with vLLM without AFD on the same checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from ray import serve
+from vllm import LLM, SamplingParams
+
+from afd_ray.config import ModelConfig
+from afd_ray.models.embedded import resolve_checkpoint
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+    "Water boils at a temperature of",
+]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def plain_vllm(args: dict[str, object]) -> Iterator[LLM]:
+    """vLLM without AFD on the application's checkpoint, float32, eager."""
+    model = ModelConfig.model_validate(args["model"])
+    llm = LLM(
+        str(resolve_checkpoint(model)),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=model.max_model_len,
+        kv_cache_memory_bytes=1 << 30,
+    )
+    yield llm
+    llm.llm_engine.engine_core.shutdown()
+
+
+def _afd_token_ids(client: httpx.Client, prompt: str) -> list[int]:
+    body = {
+        "model": "smollm2", "prompt": prompt, "max_tokens": MAX_TOKENS,
+        "temperature": 0, "return_token_ids": True,
+    }
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["token_ids"]
+
+
+def test_greedy_tokens_equal_plain_vllm_in_float32(client: httpx.Client, plain_vllm: LLM) -> None:
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    for prompt in PROMPTS:
+        (reference,) = plain_vllm.generate([prompt], greedy, use_tqdm=False)
+        expected = list(reference.outputs[0].token_ids)
+        assert len(expected) == MAX_TOKENS or expected[-1] in (0, 1, 2)
+        assert _afd_token_ids(client, prompt) == expected, prompt
+
+
+def test_each_role_holds_only_its_own_weights(client: httpx.Client) -> None:
+    attention = serve.get_deployment_handle("attention", app_name="afd").param_bytes.remote().result()
+    ffn = serve.get_deployment_handle("ffn", app_name="afd").param_bytes.remote().result()
+    print("attention-role parameter bytes:", attention)
+    print("FFN-role parameter bytes:", ffn)
+
+    assert not [name for name in attention if ".mlp." in name]
+    assert sum(attention.values()) > 0
+    assert set(ffn) == {"layers.gate_proj.weight", "layers.up_proj.weight", "layers.down_proj.weight"}
+    # SmolLM2-135M: 30 layers x 3 x (576 x 1536) float32 weights
+    assert sum(ffn.values()) == 30 * 3 * 576 * 1536 * 4
