@@ -25,6 +25,7 @@ class FFNStack(nn.Module):
         super().__init__()
         if config.model_type != "llama":
             raise ValueError(f"model.source: FFN role does not support model_type {config.model_type!r}")
+        self.hidden_size: int = config.hidden_size
         self.layers = nn.ModuleList(LlamaMLP(config) for _ in range(config.num_hidden_layers))
 
     @property
