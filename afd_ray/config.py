@@ -107,6 +107,11 @@ class ConnectorConfig(_Section):
     """Bound on pair rendezvous and on every A2F/F2A receive, seconds; past it the
     receive fails with the process group's error instead of hanging."""
 
+    batch_window_us: int = Field(500, ge=0)
+    """Once one attention peer's step header reached an FFN rank, how long it waits for
+    the other peers' headers before it starts the step without them, microseconds.
+    Bounds how long a slow or idle attention rank can delay the others."""
+
     host: str | None = "127.0.0.1"
     """Address FFN ranks bind their header socket and rendezvous store to; None means
     the Ray node's IP (needed when the pools span several nodes)."""

@@ -1,8 +1,9 @@
 """The FFN runtime: a loop driven by the connector, with no scheduler and no KV cache.
 
 Each iteration: read one step header; JOIN/LEAVE change the peer set at this step
-boundary; STEP(T) runs every FFN layer in order: receive `[T, H]` (A2F), compute,
-send `[T, H]` back (F2A). The loop owns nothing across steps except the weights and
+boundary; STEP headers form one step for every peer taking part, which runs every
+FFN layer in order: receive `[T_i, H]` from each peer (A2F), compute on all rows at
+once, send each peer its `[T_i, H]` back (F2A). The loop owns nothing across steps except the weights and
 the counters in `FFNStats`, so a lost FFN rank loses no request data.
 """
 
@@ -42,22 +43,40 @@ class FFNStats:
 class FFNRuntime:
     """Serves the FFN half of every layer to the attention peers of one channel.
 
+    Step forming (M:N fan-in): after the first STEP header, the runtime keeps reading
+    headers for up to `batch_window_s` or until every admitted peer has announced a
+    step, then runs one step for all of them: per layer it receives each peer's
+    `[T_i, H]`, computes on the concatenation `[ΣT_i, H]`, and sends each peer its
+    rows back, in peer order. A slow or idle peer delays the others by at most the
+    window; it joins the next step. JOIN/LEAVE read while forming a step are applied
+    after it, at the step boundary. No peer ever has two steps in flight (rule 2 of
+    `afd_ray.connector.channel`), so a formed step cannot wait on itself.
+
     Args:
         model: the FFN blocks of every layer, on `device`, in the model dtype.
         channel: the FFN side of the connector.
         dtype: dtype of the A2F/F2A tensors (the model dtype).
         poll_s: longest wait for a header before the stop flag is checked, seconds
             (a header wakes the loop at once).
+        batch_window_s: longest wait for more peers once one peer's step header
+            arrived, seconds.
     """
 
-    def __init__(self, model: FFNStack, channel: FFNChannel, dtype: torch.dtype, poll_s: float) -> None:
+    def __init__(
+        self,
+        model: FFNStack,
+        channel: FFNChannel,
+        dtype: torch.dtype,
+        poll_s: float,
+        batch_window_s: float,
+    ) -> None:
         self.model = model
         self.channel = channel
         self.stats = FFNStats()
         self._dtype = dtype
         self._poll_s = poll_s
-        self._hidden = model.layers[0].down_proj.out_features
-        self._device = model.layers[0].down_proj.weight.device
+        self._batch_window_s = batch_window_s
+        self._device = next(model.parameters()).device
         self._stop = threading.Event()
 
     def run(self) -> None:
@@ -65,8 +84,15 @@ class FFNRuntime:
         try:
             while not self._stop.is_set():
                 header = self.channel.recv_header(self._poll_s)
-                if header is not None:
-                    self._handle(header)
+                if header is None:
+                    continue
+                if header.kind is HeaderKind.STEP:
+                    steps, membership = self._form_step(header)
+                    self._step(steps)
+                    for change in membership:
+                        self._apply(change)
+                else:
+                    self._apply(header)
         finally:
             self.channel.close()
 
@@ -74,28 +100,47 @@ class FFNRuntime:
         """Ask `run()` to return within one poll interval."""
         self._stop.set()
 
-    def _handle(self, header: StepHeader) -> None:
+    def _form_step(self, first: StepHeader) -> tuple[list[StepHeader], list[StepHeader]]:
+        """The STEP headers of this step (peer order) and the JOIN/LEAVE read meanwhile."""
+        steps = {first.peer: first}
+        membership: list[StepHeader] = []
+        deadline = time.perf_counter() + self._batch_window_s
+        while len(steps) < len(self.channel.peers):
+            left = deadline - time.perf_counter()
+            header = self.channel.recv_header(max(left, 0.0))
+            if header is None:
+                break
+            if header.kind is HeaderKind.STEP:
+                steps[header.peer] = header
+            else:
+                membership.append(header)
+        return [steps[peer] for peer in sorted(steps)], membership
+
+    def _apply(self, header: StepHeader) -> None:
         if header.kind is HeaderKind.JOIN:
             self.channel.admit(header.peer)
             logger.info("FFN admitted attention rank %d (epoch %d)", header.peer, header.epoch)
-        elif header.kind is HeaderKind.LEAVE:
+        else:
             self.channel.remove(header.peer)
             logger.info("attention rank %d left", header.peer)
-        else:
-            self._step(header)
 
     @torch.inference_mode()
-    def _step(self, header: StepHeader) -> None:
+    def _step(self, steps: list[StepHeader]) -> None:
         start = time.perf_counter()
-        hidden = torch.empty(header.num_tokens, self._hidden, dtype=self._dtype, device=self._device)
+        sizes = [step.num_tokens for step in steps]
+        hidden = torch.empty(sum(sizes), self.model.hidden_size, dtype=self._dtype, device=self._device)
+        rows = hidden.split(sizes)  # per peer: a view [T_i, H] into hidden [ΣT_i, H]
         for layer in range(self.model.num_layers):
-            self.channel.recv_a2f(header.peer, hidden)
-            self.channel.send_f2a(header.peer, self.model(layer, hidden))
+            for step, peer_rows in zip(steps, rows):
+                self.channel.recv_a2f(step.peer, peer_rows)
+            out = self.model(layer, hidden)  # [ΣT_i, H]
+            for step, peer_out in zip(steps, out.split(sizes)):
+                self.channel.send_f2a(step.peer, peer_out)
         stats = self.stats
         self.stats = replace(
             stats,
             steps=stats.steps + 1,
             layers=stats.layers + self.model.num_layers,
-            tokens=stats.tokens + header.num_tokens,
+            tokens=stats.tokens + sum(sizes),
             busy_s=stats.busy_s + time.perf_counter() - start,
         )

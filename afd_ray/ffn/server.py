@@ -51,7 +51,9 @@ class FFNServer:
         )
         self._coordinator = coordinator
         self.rank = await coordinator.register_ffn.remote(channel.address)
-        self._runtime = FFNRuntime(stack, channel, dtype, _STOP_POLL_S)
+        self._runtime = FFNRuntime(
+            stack, channel, dtype, _STOP_POLL_S, connector.batch_window_us / 1e6
+        )
         self._loop = threading.Thread(target=self._runtime.run, name=f"afd-ffn-{self.rank}", daemon=True)
         self._loop.start()
         self._reporter = asyncio.create_task(self._report())

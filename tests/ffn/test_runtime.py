@@ -1,0 +1,114 @@
+"""The FFN runtime over the real connector: M:N fan-in, batching, and idle peers.
+
+Attention peers are `AttentionChannel`s in threads of this process; the oracle is
+the same FFN stack called directly on each peer's rows.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from afd_ray.connector.channel import AttentionChannel, FFNChannel
+from afd_ray.ffn.model import FFNStack, load_ffn_stack
+from afd_ray.ffn.runtime import FFNRuntime
+from afd_ray.models.tiny import build_tiny
+
+WINDOW_S = 0.05
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> FFNStack:
+    checkpoint = build_tiny("llama", tmp_path_factory.mktemp("tiny") / "llama")
+    return load_ffn_stack(Path(checkpoint), torch.float32, torch.device("cpu"))
+
+
+@pytest.fixture
+def runtime(stack: FFNStack, request: pytest.FixtureRequest):
+    """A running FFN runtime; `@pytest.mark.window(s)` sets its batching window."""
+    marker = request.node.get_closest_marker("window")
+    window = marker.args[0] if marker else WINDOW_S
+    channel = FFNChannel("127.0.0.1", "gloo", timeout_s=30)
+    ffn = FFNRuntime(stack, channel, torch.float32, poll_s=0.05, batch_window_s=window)
+    loop = threading.Thread(target=ffn.run)
+    loop.start()
+    yield ffn
+    ffn.stop()
+    loop.join(10)
+
+
+def _layers_of(stack: FFNStack, hidden: torch.Tensor) -> list[torch.Tensor]:
+    """Oracle: the output of every FFN layer for the inputs the peer sends."""
+    return [stack(layer, hidden * (layer + 1)) for layer in range(stack.num_layers)]
+
+
+def _open(runtime: FFNRuntime, peer: int) -> AttentionChannel:
+    return AttentionChannel(runtime.channel.address, peer, 0, "gloo", timeout_s=30)
+
+
+def _attention_peer(
+    runtime: FFNRuntime, channel: AttentionChannel, sizes: list[int], errors: list[str]
+) -> None:
+    peer = channel.peer
+    generator = torch.Generator().manual_seed(peer)
+    with torch.inference_mode():
+        for tokens in sizes:
+            hidden = torch.randn(tokens, runtime.model.hidden_size, generator=generator)
+            channel.send_header(tokens)
+            got = [channel.exchange(hidden * (layer + 1)) for layer in range(runtime.model.num_layers)]
+            for layer, (out, expected) in enumerate(zip(got, _layers_of(runtime.model, hidden))):
+                if not torch.allclose(out, expected, rtol=1e-5, atol=1e-5):
+                    errors.append(f"peer {peer}, T={tokens}, layer {layer}: wrong rows {(out - expected).abs().max():.3g}")
+    channel.close()
+
+
+def _run_peers(runtime: FFNRuntime, plans: dict[int, list[int]]) -> list[str]:
+    """Open every peer's channel (all admitted), then run their steps concurrently."""
+    errors: list[str] = []
+    channels = {peer: _open(runtime, peer) for peer in plans}
+    peers = [
+        threading.Thread(target=_attention_peer, args=(runtime, channels[peer], sizes, errors))
+        for peer, sizes in plans.items()
+    ]
+    for thread in peers:
+        thread.start()
+    for thread in peers:
+        thread.join(60)
+    return errors
+
+
+def test_three_peers_on_one_ffn_rank_get_their_own_rows(runtime: FFNRuntime) -> None:
+    plans = {0: [5, 1, 17, 3], 1: [2, 9, 4], 2: [33]}
+    assert _run_peers(runtime, plans) == []
+    stats = runtime.stats
+    assert stats.tokens == sum(sum(sizes) for sizes in plans.values())
+    assert stats.layers == stats.steps * runtime.model.num_layers
+    assert stats.steps <= sum(len(sizes) for sizes in plans.values())
+
+
+@pytest.mark.window(30.0)
+def test_peers_ready_within_the_window_share_one_step(runtime: FFNRuntime) -> None:
+    # With a window longer than the test, the FFN waits until both admitted peers
+    # announced their step: one step over 6 + 11 rows.
+    assert _run_peers(runtime, {0: [6], 1: [11]}) == []
+    assert runtime.stats.steps == 1
+    assert runtime.stats.tokens == 17
+
+
+def test_an_idle_peer_does_not_stall_a_busy_one(runtime: FFNRuntime) -> None:
+    idle = _open(runtime, 7)
+    busy = _open(runtime, 0)
+    errors: list[str] = []
+    steps = 20
+    start = time.perf_counter()
+    _attention_peer(runtime, busy, [4] * steps, errors)
+    elapsed = time.perf_counter() - start
+    assert errors == []
+    assert runtime.stats.steps == steps
+    # Each step waited at most one batching window for the idle peer.
+    assert elapsed < steps * (WINDOW_S + 0.5)
+    idle.close()
