@@ -23,7 +23,7 @@ from transformers import (
     DeepseekV2Config,
     DeepseekV3Config,
     LlamaConfig,
-    PretrainedConfig,
+    PreTrainedConfig,
     PreTrainedTokenizerFast,
     Qwen3MoeConfig,
 )
@@ -73,7 +73,7 @@ _MLA = dict(
 )
 
 
-def tiny_config(family: Family) -> PretrainedConfig:
+def tiny_config(family: Family) -> PreTrainedConfig:
     """The transformers config of one tiny family (float32, vocab 512, hidden 128).
 
     Raises:
@@ -129,7 +129,7 @@ def train_tokenizer() -> PreTrainedTokenizerFast:
 
     Deterministic (same merges on every call, about 0.2 s). Ids 0 and 1 are `<s>`
     (bos, prepended to plain text) and `</s>` (eos and pad); the chat template renders
-    `<s>role: content</s>\\n` per message and ends with `assistant: `.
+    `<s>`, then `role: content</s>\\n` per message, then `assistant: `.
     """
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
