@@ -73,6 +73,7 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     )
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
+    model.config.architectures = [type(model).__name__]  # as save_pretrained would
     model.config.save_pretrained(out)
     model.generation_config.save_pretrained(out)
     tokenizer.save_pretrained(out)
