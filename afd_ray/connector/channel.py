@@ -19,6 +19,13 @@ Protocol rules (why it cannot deadlock with one FFN peer per attention rank):
    posted receive has a sender on the way; each one is bounded by `timeout_s`, and a
    dead peer fails it at once ("connection closed by peer").
 4. A header whose epoch differs from the FFN's is dropped, never applied.
+
+Release on `close()`: the FFN waits for headers with a poll timeout, so stopping the
+loop releases it within one poll. A data-plane receive already posted cannot be
+cancelled from the same process (gloo's `abort()`/`shutdown()` do not wake it, and a
+gloo wait that times out closes the pair); it ends when its data arrives, when the
+peer closes or dies (gloo reports "connection closed by peer" at once), or after
+`timeout_s`. Rule 3 keeps every posted receive short.
 """
 
 from __future__ import annotations
