@@ -220,10 +220,17 @@ def test_each_pool_member_has_its_own_strict_pack_group(
     assert [group["bundles"] for group in members] == [{0: bundle}] * section["num_ranks"]
 
 
+def _is_vllm_engine(process: psutil.Process) -> bool:
+    """A live `VLLM::` process (engines of other tests may linger as zombies)."""
+    try:
+        return " ".join(process.cmdline()).startswith("VLLM::")
+    except (psutil.ZombieProcess, psutil.NoSuchProcess):
+        return False
+
+
 def test_engine_processes_inherit_the_engine_env(client: httpx.Client) -> None:
     """vLLM's EngineCore and worker processes run with the env of `engine_env`."""
-    ours = psutil.Process().children(recursive=True)  # the local cluster's processes
-    engines = [p for p in ours if " ".join(p.cmdline()).startswith("VLLM::")]
+    engines = [p for p in psutil.Process().children(recursive=True) if _is_vllm_engine(p)]
     assert engines, "no vLLM engine process found"
     for process in engines:
         env = process.environ()
