@@ -1,7 +1,8 @@
 """The FFN half of a decoder-only model: per layer, what follows the post-attention norm.
 
 Pure model code: no processes, no communication. The runtime feeds it `[T, H]`
-hidden states one layer at a time.
+hidden states one layer at a time. A layer is a dense `GatedMLP` or an `MoE`; with
+expert parallelism each EP rank builds the stack with only its own routed experts.
 """
 
 from __future__ import annotations
@@ -11,49 +12,100 @@ from pathlib import Path
 import torch
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
-from transformers.models.llama.modeling_llama import LlamaMLP
 
+from afd_ray.ffn.family import ffn_layout
+from afd_ray.ffn.mlp import GatedMLP
+from afd_ray.ffn.moe import MoE
+from afd_ray.ffn.placement import owned_experts
 from afd_ray.weights import ffn_layer_params
 
 __all__ = ["FFNStack", "load_ffn_stack"]
 
+_KEEP_FLOAT32 = "e_score_correction_bias"
+"""Checkpoint tensors loaded without rounding to the model dtype (transformers keeps
+them in float32 too: `_keep_in_fp32_modules_strict`)."""
+
 
 class FFNStack(nn.Module):
-    """Every decoder layer's FFN block (`layers[i]` maps `[T, H] -> [T, H]`)."""
+    """Every decoder layer's FFN block (`layers[i]` maps `[T, H] -> [T, H]`).
 
-    def __init__(self, config: PretrainedConfig) -> None:
+    Args:
+        config: the checkpoint's transformers config (`model_type` one of
+            `family.SUPPORTED_MODEL_TYPES`).
+        dtype: model dtype of the parameters; None = torch's default dtype.
+        ep_rank, ep_size: this rank's place in the EP group; MoE layers hold only
+            the routed experts `placement.owned_experts(E, ep_size, ep_rank)`.
+
+    Raises:
+        ValueError: unsupported architecture or routing settings, or a bad EP rank.
+    """
+
+    def __init__(
+        self, config: PretrainedConfig, dtype: torch.dtype | None = None, ep_rank: int = 0, ep_size: int = 1
+    ) -> None:
         super().__init__()
-        if config.model_type != "llama":
-            raise ValueError(f"model.source: FFN role does not support model_type {config.model_type!r}")
-        self.hidden_size: int = config.hidden_size
-        self.layers = nn.ModuleList(LlamaMLP(config) for _ in range(config.num_hidden_layers))
+        layout = ffn_layout(config)
+        dtype = dtype or torch.get_default_dtype()
+        self.hidden_size = layout.hidden_size
+        dense = (layout.hidden_size, layout.intermediate_size, layout.hidden_act, layout.mlp_bias, dtype)
+        layers: list[nn.Module] = []
+        for i in range(layout.num_layers):
+            if i in layout.moe_layers:
+                owned = owned_experts(layout.moe.routing.num_experts, ep_size, ep_rank)
+                layers.append(MoE(layout.moe, owned, layout.hidden_size, layout.hidden_act, layout.mlp_bias, dtype))
+            else:
+                layers.append(GatedMLP(*dense))
+        self.layers = nn.ModuleList(layers)
 
     @property
     def num_layers(self) -> int:
         return len(self.layers)
 
     def forward(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
-        """FFN of decoder layer `layer`: hidden `[T, H]` -> `[T, H]`, same dtype."""
+        """FFN of decoder layer `layer`: hidden `[T, H]` -> `[T, H]`, same dtype.
+
+        Raises:
+            RuntimeError: `layer` is an MoE layer and this stack holds an EP shard
+                (drive its `route`/`experts`/`shared` parts instead).
+        """
         return self.layers[layer](hidden)
 
+    def checkpoint_tensors(self) -> dict[tuple[int, str], torch.Tensor]:
+        """Destination tensor of each checkpoint tensor this stack loads, keyed by
+        `(layer, name under model.layers.{layer}.mlp.)`."""
+        return {(i, name): t for i, block in enumerate(self.layers) for name, t in block.checkpoint_tensors().items()}
 
-def load_ffn_stack(checkpoint: Path, dtype: torch.dtype, device: torch.device) -> FFNStack:
+
+def load_ffn_stack(
+    checkpoint: Path, dtype: torch.dtype, device: torch.device, ep_rank: int = 0, ep_size: int = 1
+) -> FFNStack:
     """Build the FFN stack of `checkpoint` with only FFN-role tensors loaded.
 
-    Parameters are created on the meta device and assigned from the checkpoint, so no
-    memory is spent on throwaway random init.
+    Parameters are created on the meta device, allocated on `device` uninitialized,
+    then filled from the checkpoint, so no memory is spent on throwaway random init;
+    an EP shard reads and allocates only its own routed experts. Tensors are rounded
+    to `dtype` (the router gate of DeepSeek then lives in float32) except
+    `e_score_correction_bias`, loaded as float32.
 
     Raises:
-        ValueError: unsupported architecture, or a missing/unexpected FFN tensor.
+        ValueError: unsupported architecture, bad EP rank, or a missing/unexpected
+            FFN tensor.
     """
     config = AutoConfig.from_pretrained(checkpoint)
     with torch.device("meta"):
-        stack = FFNStack(config)
-    state = {
-        f"layers.{layer}.{name}": tensor.to(device=device, dtype=dtype)
-        for layer, name, tensor in ffn_layer_params(checkpoint)
-    }
-    missing, unexpected = stack.load_state_dict(state, strict=False, assign=True)
-    if missing or unexpected:
+        stack = FFNStack(config, dtype, ep_rank, ep_size)
+    stack.to_empty(device=device)
+    targets = stack.checkpoint_tensors()
+    owned = {e for block in stack.layers if isinstance(block, MoE) for e in block.experts.owned}
+    unexpected = []
+    with torch.no_grad():
+        for layer, name, tensor in ffn_layer_params(checkpoint, stack.num_layers, owned):
+            target = targets.pop((layer, name), None)
+            if target is None or target.shape != tensor.shape:
+                unexpected.append(f"layers.{layer}.mlp.{name} {list(tensor.shape)}")
+                continue
+            target.copy_(tensor if name.endswith(_KEEP_FLOAT32) else tensor.to(dtype))
+    if targets or unexpected:
+        missing = [f"layers.{layer}.mlp.{name}" for layer, name in targets]
         raise ValueError(f"FFN weights of {checkpoint}: missing {missing}, unexpected {unexpected}")
     return stack.eval()

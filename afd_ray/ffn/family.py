@@ -1,0 +1,154 @@
+"""What each supported model family's config says about its FFN layers.
+
+The only place that reads family-specific config fields for the FFN role. Layer
+placement and routing follow transformers 5.19 (`modeling_llama.py`,
+`modeling_qwen3_moe.py`, `modeling_deepseek_v2.py`, `modeling_deepseek_v3.py`) and
+vLLM 0.32 (`models/qwen3_moe.py`, `models/deepseek_v2.py`); where the two differ,
+the note says which one is followed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transformers import PretrainedConfig
+
+from afd_ray.ffn.routing import RoutingSpec
+
+__all__ = ["FFNLayout", "MoEShape", "SUPPORTED_MODEL_TYPES", "ffn_layout"]
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen3_moe", "deepseek_v2", "deepseek_v3")
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """Sizes of an MoE layer's experts."""
+
+    routing: RoutingSpec
+    intermediate_size: int
+    """Width of one routed expert (`moe_intermediate_size`)."""
+    shared_intermediate_size: int
+    """Width of the shared experts fused into one MLP (`moe_intermediate_size *
+    n_shared_experts`); 0 = none."""
+
+
+@dataclass(frozen=True)
+class FFNLayout:
+    """The FFN blocks of every decoder layer of one checkpoint."""
+
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    """Width of the dense MLP layers."""
+    hidden_act: str
+    mlp_bias: bool
+    """Whether dense MLPs and shared experts have biases (routed experts never do)."""
+    moe_layers: frozenset[int]
+    """Layers whose FFN is an MoE; the others are dense MLPs."""
+    moe: MoEShape | None
+    """Sizes of the MoE layers; None for a dense model."""
+
+
+def ffn_layout(config: PretrainedConfig) -> FFNLayout:
+    """The FFN layout of a transformers config.
+
+    Raises:
+        ValueError: unsupported `model_type`, or routing settings this family's
+            reference code does not define (see `RoutingSpec` for the checks).
+    """
+    kind = config.model_type
+    layers = range(config.num_hidden_layers)
+    if kind == "llama":
+        moe_layers, moe = frozenset(), None
+    elif kind == "qwen3_moe":
+        # Qwen3MoeDecoderLayer: MoE unless listed in mlp_only_layers, every decoder_sparse_step.
+        moe_layers = frozenset(
+            i
+            for i in layers
+            if i not in config.mlp_only_layers and config.num_experts > 0 and (i + 1) % config.decoder_sparse_step == 0
+        )
+        moe = MoEShape(_qwen3_routing(config), config.moe_intermediate_size, 0) if moe_layers else None
+    elif kind in ("deepseek_v2", "deepseek_v3"):
+        # vLLM DeepseekV2DecoderLayer; transformers ignores moe_layer_freq (1 in every released config).
+        freq = getattr(config, "moe_layer_freq", 1)
+        moe_layers = frozenset(i for i in layers if i >= config.first_k_dense_replace and i % freq == 0)
+        routing = _deepseek_v2_routing(config) if kind == "deepseek_v2" else _deepseek_v3_routing(config)
+        shared = config.moe_intermediate_size * (config.n_shared_experts or 0)
+        moe = MoEShape(routing, config.moe_intermediate_size, shared) if moe_layers else None
+    else:
+        raise ValueError(
+            f"model.source: FFN role does not support model_type {kind!r}; supported: {SUPPORTED_MODEL_TYPES}"
+        )
+    return FFNLayout(
+        num_layers=config.num_hidden_layers,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        hidden_act=config.hidden_act,
+        mlp_bias=bool(getattr(config, "mlp_bias", False)),
+        moe_layers=moe_layers,
+        moe=moe,
+    )
+
+
+def _qwen3_routing(config: PretrainedConfig) -> RoutingSpec:
+    """Qwen3MoeTopKRouter: softmax top-k, gate in the model dtype."""
+    return RoutingSpec(
+        num_experts=config.num_experts,
+        top_k=config.num_experts_per_tok,
+        scoring="softmax",
+        num_groups=1,
+        top_groups=1,
+        group_score="max",
+        correction_bias=False,
+        renormalize=config.norm_topk_prob,
+        scaling_factor=1.0,
+        float32_logits=False,
+    )
+
+
+def _deepseek_v2_routing(config: PretrainedConfig) -> RoutingSpec:
+    """DeepseekV2TopkRouter: float32 softmax; `group_limited_greedy` keeps the
+    `topk_group` groups of highest max score.
+
+    `norm_topk_prob=True` renormalizes before scaling, as vLLM does (transformers
+    ignores it for V2; every released V2 config has it False).
+    """
+    method = config.topk_method
+    if method not in ("greedy", "group_limited_greedy"):
+        raise ValueError(f"deepseek_v2: unsupported topk_method {method!r}")
+    if getattr(config, "scoring_func", "softmax") != "softmax":
+        raise ValueError(f"deepseek_v2: unsupported scoring_func {config.scoring_func!r}")
+    grouped = method == "group_limited_greedy"
+    return RoutingSpec(
+        num_experts=config.n_routed_experts,
+        top_k=config.num_experts_per_tok,
+        scoring="softmax",
+        num_groups=config.n_group if grouped else 1,
+        top_groups=config.topk_group if grouped else 1,
+        group_score="max",
+        correction_bias=False,
+        renormalize=bool(config.norm_topk_prob),
+        scaling_factor=config.routed_scaling_factor,
+        float32_logits=True,
+    )
+
+
+def _deepseek_v3_routing(config: PretrainedConfig) -> RoutingSpec:
+    """DeepseekV3TopkRouter (`noaux_tc`): float32 sigmoid, `e_score_correction_bias`
+    for selection, groups ranked by the sum of their top-2 biased scores."""
+    method = getattr(config, "topk_method", "noaux_tc")
+    scoring = getattr(config, "scoring_func", "sigmoid")
+    if (method, scoring) != ("noaux_tc", "sigmoid"):
+        raise ValueError(f"deepseek_v3: unsupported topk_method/scoring_func {method!r}/{scoring!r}")
+    return RoutingSpec(
+        num_experts=config.n_routed_experts,
+        top_k=config.num_experts_per_tok,
+        scoring="sigmoid",
+        num_groups=config.n_group,
+        top_groups=config.topk_group,
+        group_score="top2_sum",
+        correction_bias=True,
+        renormalize=bool(config.norm_topk_prob),
+        scaling_factor=config.routed_scaling_factor,
+        float32_logits=True,
+    )

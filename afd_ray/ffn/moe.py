@@ -1,0 +1,80 @@
+"""One MoE layer's FFN, split into the parts an EP runtime drives: route, experts, shared."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from afd_ray.ffn.experts import Experts
+from afd_ray.ffn.family import MoEShape
+from afd_ray.ffn.mlp import GatedMLP
+from afd_ray.ffn.routing import Router, Routing
+
+__all__ = ["MoE"]
+
+
+class MoE(nn.Module):
+    """Gate, the routed experts this EP rank owns, and the shared experts (replicated).
+
+    An EP step on hidden `[T, H]`: `route` (any rank, the gate is replicated) ->
+    dispatch rows to the owners of `routing.ids` -> `experts` on each owner -> return
+    the rows -> sum the k rows of each token -> add `shared(hidden)`. `forward` is that
+    step on one rank that owns every expert.
+
+    Submodule names match the checkpoint under `model.layers.{i}.mlp.`: `gate`,
+    `experts`, `shared_experts`.
+    """
+
+    def __init__(
+        self, shape: MoEShape, owned: range, hidden_size: int, hidden_act: str, bias: bool, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.gate = Router(shape.routing, hidden_size, dtype)
+        self.experts = Experts(owned, hidden_size, shape.intermediate_size, hidden_act, dtype)
+        self.shared_experts = (
+            GatedMLP(hidden_size, shape.shared_intermediate_size, hidden_act, bias, dtype)
+            if shape.shared_intermediate_size
+            else None
+        )
+
+    def route(self, hidden: torch.Tensor) -> Routing:
+        """Top-k experts of hidden `[T, H]`: ids `[T, k]` int64, weights `[T, k]` float32."""
+        return self.gate(hidden)
+
+    def shared(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Shared experts' output `[T, H]` (model dtype), or None if the layer has none."""
+        return None if self.shared_experts is None else self.shared_experts(hidden)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The whole MoE on one rank: hidden `[T, H]` -> `[T, H]`, same dtype.
+
+        The k weighted expert rows of a token and the shared experts are summed in
+        float32, then cast once.
+
+        Raises:
+            RuntimeError: this module holds only an EP shard of the experts.
+        """
+        num_experts = self.gate.spec.num_experts
+        if len(self.experts.owned) != num_experts:
+            raise RuntimeError(
+                f"MoE.forward needs all {num_experts} experts; this EP shard owns {self.experts.owned}"
+            )
+        num_tokens, hidden_size = hidden.shape
+        routing = self.route(hidden)
+        top_k = routing.ids.shape[1]
+        rows = hidden.repeat_interleave(top_k, dim=0)  # [T*k, H]; row t*k+j is token t's j-th expert
+        out = self.experts(rows, routing.ids.flatten(), routing.weights.flatten())  # [T*k, H]
+        out = out.view(num_tokens, top_k, hidden_size).sum(dim=1, dtype=torch.float32)  # [T, H]
+        shared = self.shared(hidden)
+        if shared is not None:
+            out += shared
+        return out.to(hidden.dtype)
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """Destination tensor of each checkpoint name under the layer's `mlp.` prefix
+        (gate, owned experts, shared experts)."""
+        tensors = {f"gate.{name}": t for name, t in self.gate.state_dict(keep_vars=True).items()}
+        tensors.update(self.experts.checkpoint_tensors())
+        if self.shared_experts is not None:
+            tensors.update({f"shared_experts.{n}": t for n, t in self.shared_experts.checkpoint_tensors().items()})
+        return tensors

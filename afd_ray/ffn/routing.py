@@ -1,0 +1,128 @@
+"""MoE routing: the gate of one layer, from hidden states to top-k experts and weights.
+
+`Router` holds only the gate weights, so either role can run it: the FFN role by
+default, the attention role with `gate_on_attention` (DESIGN §2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["Router", "Routing", "RoutingSpec"]
+
+
+@dataclass(frozen=True)
+class RoutingSpec:
+    """How one model family turns gate logits into top-k experts and weights.
+
+    Raises:
+        ValueError: the groups do not split the experts evenly, fewer than `top_k`
+            experts remain after group limiting, or a `top2_sum` group has one expert.
+    """
+
+    num_experts: int
+    """Routed experts per MoE layer (E)."""
+    top_k: int
+    """Experts chosen per token (k)."""
+    scoring: Literal["softmax", "sigmoid"]
+    """Logits -> scores: softmax over the experts, or an independent sigmoid each."""
+    num_groups: int
+    """Expert groups (G; experts `[g*E/G, (g+1)*E/G)` form group g); 1 = no group limit."""
+    top_groups: int
+    """Groups a token may choose from (the best `top_groups` by group score)."""
+    group_score: Literal["max", "top2_sum"]
+    """A group's score: its best expert score (DeepSeek-V2), or the sum of its best two
+    (DeepSeek-V3)."""
+    correction_bias: bool
+    """Whether `e_score_correction_bias` is added to the scores for selection only."""
+    renormalize: bool
+    """Whether the k weights are divided by their sum (`norm_topk_prob`)."""
+    scaling_factor: float
+    """Multiplies the k weights last (`routed_scaling_factor`)."""
+    float32_logits: bool
+    """Whether the gate matmul runs in float32 (DeepSeek) or in the model dtype (Qwen3)."""
+
+    def __post_init__(self) -> None:
+        if self.num_experts % self.num_groups:
+            raise ValueError(f"{self.num_experts} experts do not split into {self.num_groups} groups")
+        if self.top_k > self.top_groups * (self.num_experts // self.num_groups):
+            raise ValueError(
+                f"top_k={self.top_k} exceeds the {self.top_groups} groups of "
+                f"{self.num_experts // self.num_groups} experts a token may choose from"
+            )
+        if self.group_score == "top2_sum" and self.num_groups > 1 and self.num_experts // self.num_groups < 2:
+            raise ValueError("group_score 'top2_sum' needs at least 2 experts per group")
+
+
+class Routing(NamedTuple):
+    """Top-k experts of each token, best first (by selection score)."""
+
+    ids: torch.Tensor
+    """`[T, k]` int64 expert ids in `[0, E)`."""
+    weights: torch.Tensor
+    """`[T, k]` float32 weight of each chosen expert's output."""
+
+
+class Router(nn.Module):
+    """The gate of one MoE layer: hidden `[T, H]` -> `Routing`.
+
+    Parameters (checkpoint names under `model.layers.{i}.mlp.gate.`):
+        weight: `[E, H]`; float32 when `spec.float32_logits`, else `dtype`.
+        e_score_correction_bias: `[E]` float32 buffer, only with `spec.correction_bias`.
+
+    Routing follows transformers 5.19 (`Qwen3MoeTopKRouter`, `DeepseekV2TopkRouter`,
+    `DeepseekV3TopkRouter`) and vLLM's `grouped_topk`; DeepSeek-V3's
+    auxiliary-loss-free bias is the DeepSeek-V3 technical report (arXiv:2412.19437,
+    §2.1.2, eqs. 13-16):
+
+        s = softmax(W h) or sigmoid(W h)                          # [T, E] float32
+        c = s + b (bias, selection only) or s
+        groups: keep the `top_groups` groups of best group score of c, mask the rest
+        ids = top-k of the masked c;  w = s[ids]
+        w = w / (sum(w) + 1e-20) if renormalize;  w = w * scaling_factor
+    """
+
+    def __init__(self, spec: RoutingSpec, hidden_size: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.spec = spec
+        weight_dtype = torch.float32 if spec.float32_logits else dtype
+        self.weight = nn.Parameter(torch.empty(spec.num_experts, hidden_size, dtype=weight_dtype), requires_grad=False)
+        self.e_score_correction_bias: torch.Tensor | None
+        if spec.correction_bias:
+            self.register_buffer("e_score_correction_bias", torch.empty(spec.num_experts, dtype=torch.float32))
+        else:
+            self.e_score_correction_bias = None
+
+    def forward(self, hidden: torch.Tensor) -> Routing:
+        """Route hidden `[T, H]` (model dtype) to `Routing` (`[T, k]` int64, float32)."""
+        spec = self.spec
+        if spec.float32_logits:
+            logits = F.linear(hidden.float(), self.weight)  # [T, E]
+        else:
+            logits = F.linear(hidden, self.weight).float()  # [T, E]
+        scores = logits.softmax(dim=-1) if spec.scoring == "softmax" else logits.sigmoid()
+        choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
+        if spec.num_groups > 1:
+            choice = self._limit_groups(choice)
+        ids = choice.topk(spec.top_k, dim=-1).indices  # [T, k]
+        weights = scores.gather(1, ids)  # [T, k]
+        if spec.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return Routing(ids, weights * spec.scaling_factor)
+
+    def _limit_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """Set the scores of experts outside each token's best groups to -inf."""
+        spec = self.spec
+        grouped = choice.view(choice.shape[0], spec.num_groups, spec.num_experts // spec.num_groups)  # [T, G, E/G]
+        if spec.group_score == "max":
+            group_scores = grouped.amax(dim=-1)  # [T, G]
+        else:
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
+        best = group_scores.topk(spec.top_groups, dim=-1).indices  # [T, top_groups]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)  # [T, G]
+        return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(choice)  # [T, E]

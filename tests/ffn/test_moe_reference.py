@@ -1,0 +1,93 @@
+"""The FFN stack against transformers 5.19's own `model.model.layers[i].mlp` (the oracle)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from afd_ray.ffn.model import load_ffn_stack
+from afd_ray.ffn.moe import MoE
+
+CPU = torch.device("cpu")
+T = 64
+MOE = [
+    "qwen3_moe",
+    "deepseek_v2",
+    "deepseek_v3",
+    "deepseek_v2_grouped_k3",
+    "deepseek_v2_greedy",
+    "deepseek_v3_k3_unnormalized",
+    "qwen3_moe_sparse_step",
+]
+GROUP_LIMIT_OR_BIAS_CHANGES_CHOICE = {"deepseek_v3", "deepseek_v2_grouped_k3", "deepseek_v3_k3_unnormalized"}
+
+
+def _inputs(stack, seed: int = 1) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(T, stack.hidden_size, generator=gen) for _ in range(stack.num_layers)]
+
+
+@pytest.mark.parametrize("name", ["llama", *MOE])
+def test_every_layer_matches_transformers(name, checkpoint, reference_model):
+    folder = checkpoint(name)
+    ref = reference_model(folder, torch.float32)
+    stack = load_ffn_stack(folder, torch.float32, CPU)
+    assert stack.num_layers == ref.config.num_hidden_layers
+    with torch.no_grad():
+        for i, x in enumerate(_inputs(stack)):
+            mlp = ref.model.layers[i].mlp
+            assert isinstance(stack.layers[i], MoE) == hasattr(mlp, "experts"), f"layer {i} kind"
+            torch.testing.assert_close(stack(i, x), mlp(x[None])[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_routing_matches_transformers(name, checkpoint, reference_model):
+    folder = checkpoint(name)
+    ref = reference_model(folder, torch.float32)
+    stack = load_ffn_stack(folder, torch.float32, CPU)
+    changed = 0
+    with torch.no_grad():
+        for i, x in enumerate(_inputs(stack)):
+            block = stack.layers[i]
+            if not isinstance(block, MoE):
+                continue
+            _, ref_weights, ref_ids = ref.model.layers[i].mlp.gate(x)
+            routing = block.route(x)
+            assert routing.ids.dtype == torch.int64 and routing.weights.dtype == torch.float32
+            assert routing.ids.shape == routing.weights.shape == ref_ids.shape
+            ids, order = routing.ids.sort(dim=-1)
+            ref_sorted, ref_order = ref_ids.sort(dim=-1)
+            assert torch.equal(ids, ref_sorted)
+            torch.testing.assert_close(
+                routing.weights.gather(1, order), ref_weights.float().gather(1, ref_order), atol=1e-6, rtol=1e-6
+            )
+            logits = x @ block.gate.weight.float().T  # [T, E]
+            scores = logits.softmax(-1) if block.gate.spec.scoring == "softmax" else logits.sigmoid()
+            plain = scores.topk(routing.ids.shape[1], dim=-1).indices.sort(dim=-1).values
+            changed += int((plain != ids).any(dim=-1).sum())
+    # The test exercises group limiting / the correction bias where the config has them.
+    assert (changed > 0) == (name in GROUP_LIMIT_OR_BIAS_CHANGES_CHOICE)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])
+def test_bfloat16_close_to_transformers(name, checkpoint, reference_model):
+    folder = checkpoint(name)
+    ref = reference_model(folder, torch.bfloat16)
+    stack = load_ffn_stack(folder, torch.bfloat16, CPU)
+    with torch.no_grad():
+        for i, x in enumerate(_inputs(stack)):
+            x = x.bfloat16()
+            mlp = ref.model.layers[i].mlp
+            out = stack(i, x)
+            assert out.dtype == torch.bfloat16
+            torch.testing.assert_close(out, mlp(x[None])[0], atol=3e-2, rtol=3e-2)
+            if isinstance(stack.layers[i], MoE):
+                gate = stack.layers[i].gate
+                # DeepSeek: float32 gate holding the bf16-rounded weight; bias kept float32 unrounded.
+                assert gate.weight.dtype == (torch.float32 if name == "deepseek_v3" else torch.bfloat16)
+                assert torch.equal(gate.weight, mlp.gate.weight.to(gate.weight.dtype))
+                if gate.e_score_correction_bias is not None:
+                    assert gate.e_score_correction_bias.dtype == torch.float32
+                    assert torch.equal(gate.e_score_correction_bias, mlp.gate.e_score_correction_bias)
+                ref_ids = mlp.gate(x)[2]
+                assert torch.equal(gate(x).ids.sort(-1).values, ref_ids.sort(-1).values)
