@@ -99,6 +99,10 @@ class FFNPoolConfig(_Section):
     num_threads: int = Field(1, ge=1)
     """Torch intra-op threads of the FFN worker."""
 
+    ep_idle_check_us: int = Field(2000, ge=100)
+    """With several FFN ranks (EP), how often an idle rank checks in with its EP
+    group, microseconds; bounds how long a busy rank waits for the idle ones."""
+
 
 class ConnectorConfig(_Section):
     """The A2F/F2A transport between attention and FFN ranks."""

@@ -56,12 +56,18 @@ def args() -> dict[str, object]:
 
 
 @pytest.fixture(scope="session")
-def client(ray_cluster: None, args: dict[str, object]) -> Iterator[httpx.Client]:
-    """An HTTP client of the shipped application, deployed once per session on a free
-    loopback port (its vLLM engine and FFN rank are reused by every test)."""
+def serve_url(ray_cluster: None) -> Iterator[str]:
+    """Ray Serve on the session cluster, its HTTP proxy on a free loopback port."""
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(args), name="afd", route_prefix="/")
-    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as http:
-        yield http
+    yield f"http://127.0.0.1:{port}"
     serve.shutdown()
+
+
+@pytest.fixture(scope="session")
+def client(serve_url: str, args: dict[str, object]) -> Iterator[httpx.Client]:
+    """An HTTP client of the shipped application, deployed once per session at `/`
+    (its vLLM engine and FFN rank are reused by every test)."""
+    serve.run(build_app(args), name="afd", route_prefix="/")
+    with httpx.Client(base_url=serve_url, timeout=120) as http:
+        yield http

@@ -10,7 +10,13 @@ import asyncio
 
 from afd_ray.config import ConnectorConfig, Platform
 from afd_ray.connector.channel import FFNAddress
-from afd_ray.control.membership import AFDStatus, AttentionAssignment, AttentionMember, FFNMember
+from afd_ray.control.membership import (
+    AFDStatus,
+    AttentionAssignment,
+    AttentionMember,
+    EPAssignment,
+    FFNMember,
+)
 from afd_ray.ffn.runtime import FFNStats
 from afd_ray.platform import collective_backend
 
@@ -25,7 +31,8 @@ class Coordinator:
     ranks give each FFN rank floor(A/F) or ceil(A/F) peers.
     """
 
-    def __init__(self, platform: Platform, connector: ConnectorConfig) -> None:
+    def __init__(self, platform: Platform, connector: ConnectorConfig, ffn_ranks: int) -> None:
+        self._ffn_ranks = ffn_ranks
         self._backend = collective_backend(platform)
         self._timeout_s = connector.timeout_s
         self._epoch = 0
@@ -41,6 +48,20 @@ class Coordinator:
             self._ffn_joined.notify_all()
         return rank
 
+    async def ep_assignment(self, rank: int, wait_s: float) -> EPAssignment:
+        """FFN rank `rank`'s EP rank and group rendezvous, once all `ffn.num_ranks`
+        FFN ranks registered.
+
+        Raises:
+            TimeoutError: the FFN pool was not complete within `wait_s` seconds.
+        """
+        await self._ffn_pool_complete(wait_s)
+        host = self._ffn[0].address
+        return EPAssignment(
+            ep_rank=rank, ep_size=self._ffn_ranks, host=host.host, store_port=host.store_port,
+            epoch=self._epoch, backend=self._backend, timeout_s=self._timeout_s,
+        )
+
     async def report_ffn(self, rank: int, stats: FFNStats) -> None:
         """Replace the counters of FFN rank `rank`."""
         self._ffn[rank] = self._ffn[rank].model_copy(
@@ -48,13 +69,12 @@ class Coordinator:
         )
 
     async def assign_attention(self, wait_s: float) -> AttentionAssignment:
-        """A new attention rank id and its FFN peer; waits up to `wait_s` for an FFN rank.
+        """A new attention rank id and its FFN peer, once the FFN pool is complete.
 
         Raises:
-            TimeoutError: no FFN rank registered within `wait_s` seconds.
+            TimeoutError: the FFN pool was not complete within `wait_s` seconds.
         """
-        async with self._ffn_joined:
-            await asyncio.wait_for(self._ffn_joined.wait_for(lambda: bool(self._ffn)), wait_s)
+        await self._ffn_pool_complete(wait_s)
         load = {rank: 0 for rank in self._ffn}
         for member in self._attention.values():
             load[member.ffn_peer] += 1
@@ -67,6 +87,12 @@ class Coordinator:
             control_port=address.control_port, epoch=self._epoch, backend=self._backend,
             timeout_s=self._timeout_s,
         )
+
+    async def _ffn_pool_complete(self, wait_s: float) -> None:
+        async with self._ffn_joined:
+            await asyncio.wait_for(
+                self._ffn_joined.wait_for(lambda: len(self._ffn) >= self._ffn_ranks), wait_s
+            )
 
     async def status(self) -> AFDStatus:
         """Epoch, every attention rank with its FFN peer, every FFN rank with counters."""

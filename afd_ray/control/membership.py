@@ -6,7 +6,7 @@ from pydantic import BaseModel, ConfigDict
 
 from afd_ray.connector.channel import FFNAddress
 
-__all__ = ["AFDStatus", "AttentionAssignment", "AttentionMember", "FFNMember"]
+__all__ = ["AFDStatus", "AttentionAssignment", "AttentionMember", "EPAssignment", "FFNMember"]
 
 
 class _Record(BaseModel):
@@ -31,6 +31,19 @@ class AttentionAssignment(_Record):
     @property
     def address(self) -> FFNAddress:
         return FFNAddress(self.host, self.store_port, self.control_port)
+
+
+class EPAssignment(_Record):
+    """An FFN rank's place in the FFN pool's EP group; FFN rank 0's store hosts the
+    group's rendezvous."""
+
+    ep_rank: int
+    ep_size: int
+    host: str
+    store_port: int
+    epoch: int
+    backend: str
+    timeout_s: float
 
 
 class FFNMember(_Record):

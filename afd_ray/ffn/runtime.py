@@ -18,7 +18,9 @@ import torch
 
 from afd_ray.connector.channel import FFNChannel
 from afd_ray.connector.header import HeaderKind, StepHeader
+from afd_ray.ffn.ep import EPGroup
 from afd_ray.ffn.model import FFNStack
+from afd_ray.ffn.moe import MoE
 
 __all__ = ["FFNRuntime", "FFNStats"]
 
@@ -52,14 +54,23 @@ class FFNRuntime:
     after it, at the step boundary. No peer ever has two steps in flight (rule 2 of
     `afd_ray.connector.channel`), so a formed step cannot wait on itself.
 
+    With an EP group (F > 1 FFN ranks), every FFN rank runs every step (lockstep,
+    `afd_ray.ffn.ep`): after forming its local step it all-reduces its token count
+    with the others, and runs the layers, with no local rows if need be, whenever any
+    rank has tokens. While idle it checks in every `poll_s`, which then bounds how
+    long a busy rank waits for an idle one.
+
     Args:
-        model: the FFN blocks of every layer, on `device`, in the model dtype.
+        model: the FFN blocks of every layer (an EP shard of the experts with EP),
+            on `device`, in the model dtype.
         channel: the FFN side of the connector.
         dtype: dtype of the A2F/F2A tensors (the model dtype).
-        poll_s: longest wait for a header before the stop flag is checked, seconds
-            (a header wakes the loop at once).
+        poll_s: longest wait for a header before the stop flag is checked (and, with
+            EP, before an idle rank checks in with its group), seconds; a header
+            wakes the loop at once.
         batch_window_s: longest wait for more peers once one peer's step header
             arrived, seconds.
+        ep: the EP group among FFN ranks, or None for a single FFN rank.
     """
 
     def __init__(
@@ -69,9 +80,11 @@ class FFNRuntime:
         dtype: torch.dtype,
         poll_s: float,
         batch_window_s: float,
+        ep: EPGroup | None = None,
     ) -> None:
         self.model = model
         self.channel = channel
+        self.ep = ep
         self.stats = FFNStats()
         self._dtype = dtype
         self._poll_s = poll_s
@@ -84,15 +97,20 @@ class FFNRuntime:
         try:
             while not self._stop.is_set():
                 header = self.channel.recv_header(self._poll_s)
-                if header is None:
-                    continue
-                if header.kind is HeaderKind.STEP:
+                steps: list[StepHeader] = []
+                membership: list[StepHeader] = []
+                if header is not None and header.kind is HeaderKind.STEP:
                     steps, membership = self._form_step(header)
-                    self._step(steps)
-                    for change in membership:
-                        self._apply(change)
+                elif header is not None:
+                    membership.append(header)
+                if self.ep is None:
+                    run_step = bool(steps)
                 else:
-                    self._apply(header)
+                    run_step = self.ep.agree(sum(step.num_tokens for step in steps)) > 0
+                if run_step:
+                    self._step(steps)
+                for change in membership:
+                    self._apply(change)
         finally:
             self.channel.close()
 
@@ -133,7 +151,11 @@ class FFNRuntime:
         for layer in range(self.model.num_layers):
             for step, peer_rows in zip(steps, rows):
                 self.channel.recv_a2f(step.peer, peer_rows)
-            out = self.model(layer, hidden)  # [ΣT_i, H]
+            block = self.model.layers[layer]
+            if self.ep is not None and isinstance(block, MoE):
+                out = self.ep.moe(block, hidden)  # [ΣT_i, H]
+            else:
+                out = block(hidden)  # [ΣT_i, H]
             for step, peer_out in zip(steps, out.split(sizes)):
                 self.channel.send_f2a(step.peer, peer_out)
         stats = self.stats

@@ -8,14 +8,20 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import defaultdict
+from datetime import timedelta
 
 import ray
 import torch
+import torch.distributed as dist
 from ray.serve.handle import DeploymentHandle
 
 from afd_ray.config import ConnectorConfig, FFNPoolConfig, ModelConfig, Platform
 from afd_ray.connector.channel import FFNChannel
+from afd_ray.connector.process_group import new_process_group
+from afd_ray.control.membership import EPAssignment
+from afd_ray.ffn.ep import EPGroup
 from afd_ray.ffn.model import load_ffn_stack
+from afd_ray.ffn.moe import MoE
 from afd_ray.ffn.runtime import FFNRuntime
 from afd_ray.models.embedded import resolve_checkpoint
 from afd_ray.platform import collective_backend, torch_device
@@ -25,6 +31,18 @@ __all__ = ["FFNServer"]
 _REPORT_PERIOD_S = 0.2
 _STOP_POLL_S = 0.1
 """Header wait between checks of the stop flag; a header wakes the loop at once."""
+
+
+def _ep_process_group(assignment: EPAssignment) -> dist.ProcessGroup:
+    """Join the FFN pool's EP group (blocks until every FFN rank joined)."""
+    store = dist.TCPStore(
+        assignment.host, assignment.store_port, is_master=False,
+        timeout=timedelta(seconds=assignment.timeout_s),
+    )
+    return new_process_group(
+        assignment.backend, dist.PrefixStore(f"afd/ep/{assignment.epoch}", store),
+        assignment.ep_rank, assignment.ep_size, assignment.timeout_s,
+    )
 
 
 class FFNServer:
@@ -38,22 +56,29 @@ class FFNServer:
         connector: ConnectorConfig,
         coordinator: DeploymentHandle,
     ) -> None:
-        """Load the FFN-role weights, open the connector, register with the coordinator.
+        """Open the connector, register with the coordinator, load this rank's FFN-role
+        weights (its EP shard of the routed experts), join the EP group, start the loop.
 
         Raises:
             ValueError: the checkpoint's architecture has no FFN implementation.
         """
         torch.set_num_threads(ffn.num_threads)
         dtype = getattr(torch, model.dtype)
-        stack = load_ffn_stack(resolve_checkpoint(model), dtype, torch_device(platform))
+        device = torch_device(platform)
         channel = FFNChannel(
             connector.host or ray.util.get_node_ip_address(), collective_backend(platform), connector.timeout_s
         )
         self._coordinator = coordinator
         self.rank = await coordinator.register_ffn.remote(channel.address)
-        self._runtime = FFNRuntime(
-            stack, channel, dtype, _STOP_POLL_S, connector.batch_window_us / 1e6
-        )
+        assignment = await coordinator.ep_assignment.remote(self.rank, connector.timeout_s)
+        stack = load_ffn_stack(resolve_checkpoint(model), dtype, device, assignment.ep_rank, assignment.ep_size)
+        moe = [block for block in stack.layers if isinstance(block, MoE)]
+        ep = None
+        if assignment.ep_size > 1 and moe:
+            group = await asyncio.to_thread(_ep_process_group, assignment)
+            ep = EPGroup(group, moe[0].gate.spec.num_experts, device)
+        poll_s = ffn.ep_idle_check_us / 1e6 if ep is not None else _STOP_POLL_S
+        self._runtime = FFNRuntime(stack, channel, dtype, poll_s, connector.batch_window_us / 1e6, ep)
         self._loop = threading.Thread(target=self._runtime.run, name=f"afd-ffn-{self.rank}", daemon=True)
         self._loop.start()
         self._reporter = asyncio.create_task(self._report())

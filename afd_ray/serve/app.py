@@ -32,7 +32,7 @@ def build_app(args: dict[str, object]) -> Application:
     key = resource_key(cfg.platform)
     coordinator = serve.deployment(Coordinator).options(
         name="coordinator", num_replicas=1, ray_actor_options={"num_cpus": 0}
-    ).bind(cfg.platform, cfg.connector)
+    ).bind(cfg.platform, cfg.connector, cfg.ffn.num_ranks)
     ffn = serve.deployment(FFNServer).options(
         name="ffn",
         num_replicas=cfg.ffn.num_ranks,

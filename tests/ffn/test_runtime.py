@@ -41,6 +41,13 @@ def runtime(stack: FFNStack, request: pytest.FixtureRequest):
     loop.join(10)
 
 
+def _wait_for_steps(runtime: FFNRuntime, steps: int) -> None:
+    """Wait (bounded) until the runtime has counted `steps` steps."""
+    deadline = time.monotonic() + 10
+    while runtime.stats.steps < steps and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def _layers_of(stack: FFNStack, hidden: torch.Tensor) -> list[torch.Tensor]:
     """Oracle: the output of every FFN layer for the inputs the peer sends."""
     return [stack(layer, hidden * (layer + 1)) for layer in range(stack.num_layers)]
@@ -84,6 +91,10 @@ def _run_peers(runtime: FFNRuntime, plans: dict[int, list[int]]) -> list[str]:
 def test_three_peers_on_one_ffn_rank_get_their_own_rows(runtime: FFNRuntime) -> None:
     plans = {0: [5, 1, 17, 3], 1: [2, 9, 4], 2: [33]}
     assert _run_peers(runtime, plans) == []
+    total = sum(sum(sizes) for sizes in plans.values())
+    deadline = time.monotonic() + 10
+    while runtime.stats.tokens < total and time.monotonic() < deadline:
+        time.sleep(0.01)
     stats = runtime.stats
     assert stats.tokens == sum(sum(sizes) for sizes in plans.values())
     assert stats.layers == stats.steps * runtime.model.num_layers
@@ -95,6 +106,7 @@ def test_peers_ready_within_the_window_share_one_step(runtime: FFNRuntime) -> No
     # With a window longer than the test, the FFN waits until both admitted peers
     # announced their step: one step over 6 + 11 rows.
     assert _run_peers(runtime, {0: [6], 1: [11]}) == []
+    _wait_for_steps(runtime, 1)
     assert runtime.stats.steps == 1
     assert runtime.stats.tokens == 17
 
@@ -108,6 +120,7 @@ def test_an_idle_peer_does_not_stall_a_busy_one(runtime: FFNRuntime) -> None:
     _attention_peer(runtime, busy, [4] * steps, errors)
     elapsed = time.perf_counter() - start
     assert errors == []
+    _wait_for_steps(runtime, steps)  # the last F2A reaches the peer before the counter moves
     assert runtime.stats.steps == steps
     # Each step waited at most one batching window for the idle peer.
     assert elapsed < steps * (WINDOW_S + 0.5)

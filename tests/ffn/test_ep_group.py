@@ -1,0 +1,72 @@
+"""EP dispatch/combine over real gloo all-to-alls between FFN ranks (threads here).
+
+The oracle is the single-rank FFN stack holding every expert.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from afd_ray.connector.process_group import new_process_group
+from afd_ray.ffn.ep import EPGroup
+from afd_ray.ffn.model import load_ffn_stack
+from afd_ray.ffn.moe import MoE
+from afd_ray.models.tiny import build_tiny
+
+CPU = torch.device("cpu")
+
+
+def _run_ep(checkpoint: Path, tokens: list[int]) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
+    """Each EP rank r (a thread with its own store client) sends `tokens[r]` rows through every MoE layer; returns (EP output,
+    inputs) per rank and layer."""
+    size = len(tokens)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    outputs: list[list[torch.Tensor]] = [[] for _ in range(size)]
+    inputs: list[list[torch.Tensor]] = [[] for _ in range(size)]
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        try:
+            stack = load_ffn_stack(checkpoint, torch.float32, CPU, ep_rank=r, ep_size=size)
+            moe = [block for block in stack.layers if isinstance(block, MoE)]
+            client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=30))
+            group = new_process_group("gloo", dist.PrefixStore("ep", client), r, size, 30)
+            ep = EPGroup(group, moe[0].gate.spec.num_experts, CPU)
+            assert ep.agree(tokens[r]) == sum(tokens)
+            generator = torch.Generator().manual_seed(r)
+            with torch.inference_mode():
+                for block in moe:
+                    hidden = torch.randn(tokens[r], stack.hidden_size, generator=generator)
+                    inputs[r].append(hidden)
+                    outputs[r].append(ep.moe(block, hidden))
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    if errors:
+        raise errors[0]
+    return outputs, inputs
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("tokens", [[5, 3], [7, 0, 4]], ids=["ep2", "ep3-one-rank-empty"])
+def test_ep_moe_equals_the_single_rank_moe(tmp_path: Path, family: str, tokens: list[int]) -> None:
+    checkpoint = Path(build_tiny(family, tmp_path / family))
+    full = load_ffn_stack(checkpoint, torch.float32, CPU)
+    moe_layers = [i for i, block in enumerate(full.layers) if isinstance(block, MoE)]
+    outputs, inputs = _run_ep(checkpoint, tokens)
+    with torch.inference_mode():
+        for r in range(len(tokens)):
+            for got, hidden, layer in zip(outputs[r], inputs[r], moe_layers, strict=True):
+                assert got.shape == (tokens[r], full.hidden_size)
+                torch.testing.assert_close(got, full(layer, hidden), rtol=1e-5, atol=1e-6)

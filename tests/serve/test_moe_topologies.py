@@ -1,0 +1,110 @@
+"""MoE under AFD through the real application: M:N mapping and EP across FFN ranks.
+
+Tiny random Qwen3-MoE and DeepSeek-V3 checkpoints (float32) are served with A
+attention ranks and F FFN ranks (EP=F); greedy tokens must equal plain vLLM's on the
+same checkpoint. 3A:2F covers fan-in (an FFN rank with two attention peers), a
+non-integer ratio and EP2; 1A:2F covers A < F (an FFN rank with no attention peer
+still takes part in every step's all-to-alls).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from ray import serve
+
+from afd_ray.models.tiny import build_tiny
+from afd_ray.serve.app import build_app
+
+PROMPTS = [
+    "The quick brown fox",
+    "def main():",
+    "Hello, my name is",
+    "import os",
+    "class Node:",
+    "In the beginning",
+]
+LENGTHS = [4, 24, 9, 16, 31, 12]  # completion tokens per prompt: steps of different lengths
+
+
+def _plain_vllm_tokens(checkpoint: Path) -> list[list[int]]:
+    """Greedy tokens of plain vLLM (no AFD), one prompt at a time, in-process engine."""
+    from vllm import LLM, SamplingParams
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    try:
+        llm = LLM(str(checkpoint), dtype="float32", enforce_eager=True, max_model_len=512,
+                  kv_cache_memory_bytes=1 << 28)
+        tokens = []
+        for prompt, length in zip(PROMPTS, LENGTHS):
+            params = SamplingParams(temperature=0, max_tokens=length, ignore_eos=True)
+            (out,) = llm.generate([prompt], params, use_tqdm=False)
+            tokens.append(list(out.outputs[0].token_ids))
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+    finally:
+        del os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"]
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, list[list[int]]]]:
+    """Per family: the tiny checkpoint and plain vLLM's greedy tokens for `PROMPTS`."""
+    out = {}
+    for family in ("qwen3_moe", "deepseek_v3"):
+        checkpoint = Path(build_tiny(family, tmp_path_factory.mktemp(family) / family))
+        out[family] = (checkpoint, _plain_vllm_tokens(checkpoint))
+    return out
+
+
+@pytest.fixture(scope="module")
+def http(serve_url: str) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=serve_url, timeout=300) as client:
+        yield client
+
+
+def _args(checkpoint: Path, attention: int, ffn: int) -> dict[str, object]:
+    return {
+        "model": {"source": str(checkpoint), "served_name": "tiny", "max_model_len": 512},
+        "attention": {"num_ranks": attention, "kv_cache_gib": 0.25, "max_num_seqs": 8, "bundle_resources": 0.5},
+        "ffn": {"num_ranks": ffn, "bundle_resources": 0.5},
+    }
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize(("attention", "ffn"), [(3, 2), (1, 2)], ids=["3A2F", "1A2F"])
+def test_greedy_tokens_equal_plain_vllm_across_topologies(
+    http: httpx.Client, checkpoints: dict, family: str, attention: int, ffn: int
+) -> None:
+    checkpoint, expected = checkpoints[family]
+    name = f"{family}-{attention}a{ffn}f"
+    serve.run(build_app(_args(checkpoint, attention, ffn)), name=name, route_prefix=f"/{name}")
+    try:
+        status = http.get(f"/{name}/afd/status").json()
+        peers = sorted(member["ffn_peer"] for member in status["attention"])
+        assert peers == sorted(rank % ffn for rank in range(attention))  # balanced mapping
+
+        def complete(i: int) -> list[int]:
+            body = {"model": "tiny", "prompt": PROMPTS[i], "max_tokens": LENGTHS[i], "temperature": 0,
+                    "ignore_eos": True, "return_token_ids": True}
+            response = http.post(f"/{name}/v1/completions", json=body)
+            assert response.status_code == 200, response.text
+            return response.json()["choices"][0]["token_ids"]
+
+        # Concurrent requests of different lengths: steps batch several requests and,
+        # with 3 attention ranks, several attention peers per FFN rank.
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            got = list(pool.map(complete, range(len(PROMPTS))))
+        for i, (tokens, reference) in enumerate(zip(got, expected)):
+            assert tokens == reference, f"prompt {i} ({PROMPTS[i]!r}) under {attention}A:{ffn}F"
+        status = http.get(f"/{name}/afd/status").json()
+        assert all(member["steps"] > 0 for member in status["ffn"])  # both EP ranks stepped
+    finally:
+        serve.delete(name)
