@@ -7,6 +7,7 @@ report counters; nothing on the data path goes through it.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import asdict
 
 from afd_ray.config import ConnectorConfig, Platform
 from afd_ray.connector.channel import FFNAddress
@@ -64,9 +65,7 @@ class Coordinator:
 
     async def report_ffn(self, rank: int, stats: FFNStats) -> None:
         """Replace the counters of FFN rank `rank`."""
-        self._ffn[rank] = self._ffn[rank].model_copy(
-            update=dict(steps=stats.steps, layers=stats.layers, tokens=stats.tokens, busy_s=stats.busy_s)
-        )
+        self._ffn[rank] = self._ffn[rank].model_copy(update=asdict(stats))
 
     async def assign_attention(self, wait_s: float) -> AttentionAssignment:
         """A new attention rank id and its FFN peer, once the FFN pool is complete.

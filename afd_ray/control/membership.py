@@ -55,6 +55,8 @@ class FFNMember(_Record):
     layers: int = 0
     tokens: int = 0
     busy_s: float = 0.0
+    a2f_bytes: int = 0
+    f2a_bytes: int = 0
 
 
 class AttentionMember(_Record):

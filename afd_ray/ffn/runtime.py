@@ -40,6 +40,10 @@ class FFNStats:
     """Token rows served, summed over steps (not over layers)."""
     busy_s: float = 0.0
     """Wall time spent inside steps (receive + compute + send), seconds."""
+    a2f_bytes: int = 0
+    """Bytes received from attention peers (hidden states), summed over layers."""
+    f2a_bytes: int = 0
+    """Bytes sent back to attention peers (FFN outputs), summed over layers."""
 
 
 class FFNRuntime:
@@ -158,6 +162,7 @@ class FFNRuntime:
                 out = block(hidden)  # [ΣT_i, H]
             for step, peer_out in zip(steps, out.split(sizes)):
                 self.channel.send_f2a(step.peer, peer_out)
+        layer_bytes = hidden.numel() * hidden.element_size()  # [ΣT_i, H] one way, one layer
         stats = self.stats
         self.stats = replace(
             stats,
@@ -165,4 +170,6 @@ class FFNRuntime:
             layers=stats.layers + self.model.num_layers,
             tokens=stats.tokens + sum(sizes),
             busy_s=stats.busy_s + time.perf_counter() - start,
+            a2f_bytes=stats.a2f_bytes + layer_bytes * self.model.num_layers,
+            f2a_bytes=stats.f2a_bytes + layer_bytes * self.model.num_layers,
         )

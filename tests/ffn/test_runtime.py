@@ -98,6 +98,9 @@ def test_three_peers_on_one_ffn_rank_get_their_own_rows(runtime: FFNRuntime) -> 
     stats = runtime.stats
     assert stats.tokens == sum(sum(sizes) for sizes in plans.values())
     assert stats.layers == stats.steps * runtime.model.num_layers
+    # DESIGN §1: bytes per step = 2 x L x N_tokens x H x bytes_per_elem (float32: 4)
+    one_way = runtime.model.num_layers * total * runtime.model.hidden_size * 4
+    assert (stats.a2f_bytes, stats.f2a_bytes) == (one_way, one_way)
     assert stats.steps <= sum(len(sizes) for sizes in plans.values())
 
 
