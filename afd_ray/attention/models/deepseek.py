@@ -35,7 +35,6 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader,
 from vllm.model_executor.models.deepseek_v2 import DeepseekV2Attention, DeepseekV2MLAAttention
 from vllm.model_executor.models.interfaces import SupportsPP
 from vllm.model_executor.models.utils import (
-    AutoWeightsLoader,
     PPMissingLayer,
     extract_layer_index,
     get_spec_layer_idx_from_weight_name,
@@ -47,7 +46,7 @@ from vllm.model_executor.models.utils import (
 from vllm.sequence import IntermediateTensors
 
 from afd_ray.attention.ffn_op import remote_ffn
-from afd_ray.weights import Role, role_of
+from afd_ray.attention.models.base import AFDCausalLM
 
 __all__ = ["AFDDeepseekV2ForCausalLM", "AFDDeepseekV3ForCausalLM"]
 
@@ -207,7 +206,7 @@ class AFDDeepseekV2Model(nn.Module):
         return loaded
 
 
-class AFDDeepseekV2ForCausalLM(nn.Module, SupportsPP):
+class AFDDeepseekV2ForCausalLM(AFDCausalLM, SupportsPP):
     """Attention role of a DeepSeek-V2 checkpoint (`architectures: [AFDDeepseekV2ForCausalLM]`)."""
 
     packed_modules_mapping = {"fused_qkv_a_proj": ["q_a_proj", "kv_a_proj_with_mqa"]}
@@ -230,25 +229,6 @@ class AFDDeepseekV2ForCausalLM(nn.Module, SupportsPP):
         self.logits_processor = LogitsProcessor(config.vocab_size)
         self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
 
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_input_ids(input_ids)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor | None,
-        positions: torch.Tensor,
-        intermediate_tensors: IntermediateTensors | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor | IntermediateTensors:
-        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        return self.logits_processor(self.lm_head, hidden_states)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load attention-role tensors only; FFN-role tensors are skipped unread."""
-        loader = AutoWeightsLoader(self)
-        return loader.load_weights((n, w) for n, w in weights if role_of(n) is Role.ATTENTION)
 
 
 class AFDDeepseekV3ForCausalLM(AFDDeepseekV2ForCausalLM):

@@ -10,19 +10,17 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-from torch import nn
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.models.llama import LlamaAttention, LlamaForCausalLM
 from vllm.model_executor.models.utils import extract_layer_index
 
-from afd_ray.attention.ffn_op import remote_ffn
-from afd_ray.weights import Role, role_of
+from afd_ray.attention.models.base import AFDDecoderLayer, attention_weights
 
 __all__ = ["AFDLlamaForCausalLM"]
 
 
-class AFDLlamaDecoderLayer(nn.Module):
+class AFDLlamaDecoderLayer(AFDDecoderLayer):
     """vLLM's Llama decoder layer with the MLP replaced by the remote FFN hook."""
 
     def __init__(self, vllm_config: VllmConfig, prefix: str = "") -> None:
@@ -45,19 +43,6 @@ class AFDLlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden_states, residual: `[T, H]` -> (FFN output `[T, H]`, residual `[T, H]`)."""
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions=positions, hidden_states=hidden_states)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return remote_ffn(hidden_states, self.layer_idx), residual
-
 
 class AFDLlamaForCausalLM(LlamaForCausalLM):
     """Attention role of a Llama-family checkpoint (`architectures: [AFDLlamaForCausalLM]`)."""
@@ -69,4 +54,4 @@ class AFDLlamaForCausalLM(LlamaForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load attention-role tensors only; FFN-role tensors are skipped unread."""
-        return super().load_weights((n, w) for n, w in weights if role_of(n) is Role.ATTENTION)
+        return super().load_weights(attention_weights(weights))

@@ -14,26 +14,21 @@ reused as they are.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 
-import torch
-from torch import nn
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.models.interfaces import SupportsPP
 from vllm.model_executor.models.qwen3_moe import Qwen3MoeAttention, Qwen3MoeModel
-from vllm.model_executor.models.utils import AutoWeightsLoader, extract_layer_index, maybe_prefix
-from vllm.sequence import IntermediateTensors
+from vllm.model_executor.models.utils import extract_layer_index, maybe_prefix
 
-from afd_ray.attention.ffn_op import remote_ffn
-from afd_ray.weights import Role, role_of
+from afd_ray.attention.models.base import AFDCausalLM, AFDDecoderLayer
 
 __all__ = ["AFDQwen3MoeForCausalLM"]
 
 
-class AFDQwen3MoeDecoderLayer(nn.Module):
+class AFDQwen3MoeDecoderLayer(AFDDecoderLayer):
     """vLLM's Qwen3-MoE decoder layer with the MoE/MLP replaced by the remote FFN hook."""
 
     def __init__(self, vllm_config: VllmConfig, prefix: str = "") -> None:
@@ -57,21 +52,8 @@ class AFDQwen3MoeDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden_states, residual: `[T, H]` -> (FFN output `[T, H]`, residual `[T, H]`)."""
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions=positions, hidden_states=hidden_states)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return remote_ffn(hidden_states, self.layer_idx), residual
 
-
-class AFDQwen3MoeForCausalLM(nn.Module, SupportsPP):
+class AFDQwen3MoeForCausalLM(AFDCausalLM, SupportsPP):
     """Attention role of a Qwen3-MoE checkpoint (`architectures: [AFDQwen3MoeForCausalLM]`)."""
 
     packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
@@ -96,22 +78,3 @@ class AFDQwen3MoeForCausalLM(nn.Module, SupportsPP):
         self.logits_processor = LogitsProcessor(config.vocab_size)
         self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
 
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_input_ids(input_ids)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor | None,
-        positions: torch.Tensor,
-        intermediate_tensors: IntermediateTensors | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor | IntermediateTensors:
-        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        return self.logits_processor(self.lm_head, hidden_states)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load attention-role tensors only; FFN-role tensors are skipped unread."""
-        loader = AutoWeightsLoader(self)
-        return loader.load_weights((n, w) for n, w in weights if role_of(n) is Role.ATTENTION)
