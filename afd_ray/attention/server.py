@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 
 from ray.serve.handle import DeploymentHandle
 from vllm.entrypoints.openai.chat_completion.protocol import (
@@ -115,31 +115,15 @@ class AttentionServer:
 
     async def chat(self, request: ChatCompletionRequest) -> AsyncGenerator[ChatChunk, None]:
         """Answer `POST /v1/chat/completions`; see the class docstring for the items."""
-        try:
-            answer = await self._chat.create_chat_completion(request)
-        except Exception as exc:  # noqa: BLE001 - every failure becomes an error body
-            yield _error(exc)
-            return
-        if isinstance(answer, ChatCompletionResponse | ErrorResponse):
-            yield answer
-            return
-        async for event in answer:
-            yield event
+        async for item in _relay(self._chat.create_chat_completion(request)):
+            yield item
 
     async def completions(
         self, request: CompletionRequest
     ) -> AsyncGenerator[CompletionChunk, None]:
         """Answer `POST /v1/completions`; see the class docstring for the items."""
-        try:
-            answer = await self._completion.create_completion(request)
-        except Exception as exc:  # noqa: BLE001 - every failure becomes an error body
-            yield _error(exc)
-            return
-        if isinstance(answer, CompletionResponse | ErrorResponse):
-            yield answer
-            return
-        async for event in answer:
-            yield event
+        async for item in _relay(self._completion.create_completion(request)):
+            yield item
 
     async def models(self) -> ModelList:
         """The served model, as `GET /v1/models` lists it."""
@@ -168,6 +152,21 @@ class AttentionServer:
         """Stop the EngineCore process when Serve stops this replica."""
         if hasattr(self, "_engine"):
             self._engine.shutdown()
+
+
+async def _relay(answer: Awaitable[object]) -> AsyncGenerator[object, None]:
+    """The items of one vLLM serving call: its SSE events when it streams, else the
+    one response or error body; an exception becomes an error body."""
+    try:
+        result = await answer
+    except Exception as exc:  # noqa: BLE001 - every failure becomes an error body
+        yield _error(exc)
+        return
+    if isinstance(result, AsyncIterator):
+        async for event in result:
+            yield event
+    else:
+        yield result
 
 
 def _error(exc: Exception) -> ErrorResponse:
