@@ -63,9 +63,9 @@ class Coordinator:
             epoch=self._epoch, backend=self._backend, timeout_s=self._timeout_s,
         )
 
-    async def report_ffn(self, rank: int, stats: FFNStats) -> None:
-        """Replace the counters of FFN rank `rank`."""
-        self._ffn[rank] = self._ffn[rank].model_copy(update=asdict(stats))
+    async def report_ffn(self, rank: int, stats: FFNStats, expert_tokens: list[int]) -> None:
+        """Replace the counters and expert load of FFN rank `rank`."""
+        self._ffn[rank] = self._ffn[rank].model_copy(update=asdict(stats) | {"expert_tokens": expert_tokens})
 
     async def assign_attention(self, wait_s: float) -> AttentionAssignment:
         """A new attention rank id and its FFN peer, once the FFN pool is complete.

@@ -57,6 +57,9 @@ class FFNMember(_Record):
     busy_s: float = 0.0
     a2f_bytes: int = 0
     f2a_bytes: int = 0
+    expert_tokens: list[int] = []
+    """Rows this rank's tokens routed to each expert, summed over MoE layers and steps;
+    divided by `steps` x MoE layers it is tokens per expert per step (expert load)."""
 
 
 class AttentionMember(_Record):

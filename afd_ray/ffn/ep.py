@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from afd_ray.ffn.moe import MoE
 from afd_ray.ffn.placement import expert_owner
+from afd_ray.ffn.routing import Routing
 
 __all__ = ["EPGroup"]
 
@@ -51,18 +52,18 @@ class EPGroup:
         self.group.alltoall_base(recv, send, recv_splits, send_splits).wait()
         return recv
 
-    def moe(self, moe: MoE, hidden: torch.Tensor) -> torch.Tensor:
+    def moe(self, moe: MoE, hidden: torch.Tensor, routing: Routing) -> torch.Tensor:
         """The MoE layer over the EP group for this rank's tokens.
 
         Args:
             moe: the layer, holding this rank's experts (block `expert_owner` gives it).
             hidden: `[N, H]` this rank's rows (N may be 0), model dtype.
+            routing: `moe.route(hidden)`: ids `[N, k]` int64, weights `[N, k]` float32.
 
         Returns:
             `[N, H]`, model dtype: what the full MoE returns for `hidden`.
         """
         num_tokens, hidden_size = hidden.shape
-        routing = moe.route(hidden)  # ids, weights: [N, k]
         top_k = routing.ids.shape[1]
         dest = self._owner[routing.ids.flatten()]  # [N*k] owner rank of each row
         order = torch.argsort(dest, stable=True)  # [N*k] rows grouped by owner

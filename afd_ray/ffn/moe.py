@@ -21,8 +21,8 @@ class MoE(nn.Module):
     the rows -> sum the k rows of each token -> add `shared(hidden)`. `forward` is that
     step on one rank that owns every expert.
 
-    Submodule names match the checkpoint under `model.layers.{i}.mlp.`: `gate`,
-    `experts`, `shared_experts`.
+    Submodule names match the checkpoint's FFN block names
+    (`afd_ray.weights.ffn_block_name`): `gate`, `experts`, `shared_experts`.
     """
 
     def __init__(
@@ -45,8 +45,10 @@ class MoE(nn.Module):
         """Shared experts' output `[T, H]` (model dtype), or None if the layer has none."""
         return None if self.shared_experts is None else self.shared_experts(hidden)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, routing: Routing | None = None) -> torch.Tensor:
         """The whole MoE on one rank: hidden `[T, H]` -> `[T, H]`, same dtype.
+
+        `routing` is `route(hidden)` when the caller already computed it.
 
         The k weighted expert rows of a token and the shared experts are summed in
         float32, then cast once.
@@ -60,7 +62,7 @@ class MoE(nn.Module):
                 f"MoE.forward needs all {num_experts} experts; this EP shard owns {self.experts.owned}"
             )
         num_tokens, hidden_size = hidden.shape
-        routing = self.route(hidden)
+        routing = self.route(hidden) if routing is None else routing
         top_k = routing.ids.shape[1]
         rows = hidden.repeat_interleave(top_k, dim=0)  # [T*k, H]; row t*k+j is token t's j-th expert
         out = self.experts(rows, routing.ids.flatten(), routing.weights.flatten())  # [T*k, H]
@@ -71,8 +73,8 @@ class MoE(nn.Module):
         return out.to(hidden.dtype)
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
-        """Destination tensor of each checkpoint name under the layer's `mlp.` prefix
-        (gate, owned experts, shared experts)."""
+        """Destination tensor of each FFN block name (gate, owned experts, shared
+        experts)."""
         tensors = {f"gate.{name}": t for name, t in self.gate.state_dict(keep_vars=True).items()}
         tensors.update(self.experts.checkpoint_tensors())
         if self.shared_experts is not None:

@@ -95,6 +95,11 @@ class FFNRuntime:
         self._batch_window_s = batch_window_s
         self._device = next(model.parameters()).device
         self._stop = threading.Event()
+        moe = [block for block in model.layers if isinstance(block, MoE)]
+        num_experts = moe[0].gate.spec.num_experts if moe else 0
+        self.expert_tokens = torch.zeros(num_experts, dtype=torch.int64, device=self._device)
+        """Rows this rank's tokens routed to each expert `[E]` int64, summed over MoE
+        layers and steps (expert load; updated in place, on the model's device)."""
 
     def run(self) -> None:
         """Serve headers until `stop()`; then close the channel (same thread)."""
@@ -156,8 +161,10 @@ class FFNRuntime:
             for step, peer_rows in zip(steps, rows):
                 self.channel.recv_a2f(step.peer, peer_rows)
             block = self.model.layers[layer]
-            if self.ep is not None and isinstance(block, MoE):
-                out = self.ep.moe(block, hidden)  # [ΣT_i, H]
+            if isinstance(block, MoE):
+                routing = block.route(hidden)  # ids, weights: [ΣT_i, k]
+                self.expert_tokens += torch.bincount(routing.ids.flatten(), minlength=len(self.expert_tokens))
+                out = block(hidden, routing) if self.ep is None else self.ep.moe(block, hidden, routing)
             else:
                 out = block(hidden)  # [ΣT_i, H]
             for step, peer_out in zip(steps, out.split(sizes)):

@@ -85,7 +85,8 @@ class FFNServer:
 
     async def _report(self) -> None:
         while True:
-            await self._coordinator.report_ffn.remote(self.rank, self._runtime.stats)
+            runtime = self._runtime
+            await self._coordinator.report_ffn.remote(self.rank, runtime.stats, runtime.expert_tokens.tolist())
             await asyncio.sleep(_REPORT_PERIOD_S)
 
     async def param_bytes(self) -> dict[str, int]:

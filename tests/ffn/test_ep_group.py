@@ -44,7 +44,7 @@ def _run_ep(checkpoint: Path, tokens: list[int]) -> tuple[list[list[torch.Tensor
                 for block in moe:
                     hidden = torch.randn(tokens[r], stack.hidden_size, generator=generator)
                     inputs[r].append(hidden)
-                    outputs[r].append(ep.moe(block, hidden))
+                    outputs[r].append(ep.moe(block, hidden, block.route(hidden)))
         except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
             errors.append(exc)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import os
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -104,7 +105,11 @@ def test_greedy_tokens_equal_plain_vllm_across_topologies(
             got = list(pool.map(complete, range(len(PROMPTS))))
         for i, (tokens, reference) in enumerate(zip(got, expected)):
             assert tokens == reference, f"prompt {i} ({PROMPTS[i]!r}) under {attention}A:{ffn}F"
+        time.sleep(0.5)  # FFN ranks push counters every 0.2 s
         status = http.get(f"/{name}/afd/status").json()
         assert all(member["steps"] > 0 for member in status["ffn"])  # both EP ranks stepped
+        for member in status["ffn"]:  # expert load: top-2 experts in each of 2 MoE layers
+            assert len(member["expert_tokens"]) == 8
+            assert sum(member["expert_tokens"]) == member["tokens"] * 2 * 2
     finally:
         serve.delete(name)
