@@ -31,7 +31,11 @@ def build_app(args: dict[str, object]) -> Application:
     cfg = AFDConfig.model_validate(args)
     key = resource_key(cfg.platform)
     coordinator = serve.deployment(Coordinator).options(
-        name="coordinator", num_replicas=1, ray_actor_options={"num_cpus": 0}
+        name="coordinator",
+        num_replicas=1,
+        ray_actor_options={"num_cpus": 0},
+        # FFN ranks report counters several times a second: keep them out of the log.
+        logging_config={"enable_access_log": False},
     ).bind(cfg.platform, cfg.connector, cfg.ffn.num_ranks)
     ffn = serve.deployment(FFNServer).options(
         name="ffn",
