@@ -1,5 +1,6 @@
 # Two entry points, each sets up everything on a fresh machine:
-#   make serve  - install, prepare the embedded model, `serve run deployments/afd.yaml`
+#   make serve  - install, prepare the embedded models, `serve run deployments/afd.yaml`
+#                 (the MoE demo: `.venv/bin/serve run deployments/afd-moe.yaml`)
 #   make test   - install, then the whole test suite
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -27,6 +28,7 @@ install: $(STAMP)
 
 models: install
 	$(VENV)/bin/afd-ray models prepare smollm2
+	$(VENV)/bin/afd-ray models prepare smollm2-moe
 
 serve: models
 	$(VENV)/bin/serve run deployments/afd.yaml

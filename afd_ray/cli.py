@@ -1,6 +1,6 @@
 """The `afd-ray` command line.
 
-    afd-ray models prepare smollm2 [--cache DIR]       # prints the checkpoint folder
+    afd-ray models prepare {smollm2,smollm2-moe} [--cache DIR]  # prints the checkpoint folder
     afd-ray models tiny FAMILY OUT_DIR [--seed N]      # prints OUT_DIR
 
 Each command group is one `_add_<group>(subparsers)` function that registers its

@@ -26,7 +26,7 @@ __all__ = [
 
 Platform = Literal["cpu", "cuda", "npu"]
 DType = Literal["float32", "bfloat16", "float16"]
-EMBEDDED_MODELS = ("smollm2",)
+EMBEDDED_MODELS = ("smollm2", "smollm2-moe")
 
 
 class _Section(BaseModel):
@@ -37,8 +37,8 @@ class ModelConfig(_Section):
     """Which checkpoint to serve, shared by both roles."""
 
     source: str = "smollm2"
-    """An embedded model name (`smollm2`) or a path to a Hugging Face checkpoint
-    folder (config.json + safetensors + tokenizer)."""
+    """An embedded model name (`smollm2`, or its Mixtral upcycling `smollm2-moe`) or a
+    path to a Hugging Face checkpoint folder (config.json + safetensors + tokenizer)."""
 
     served_name: str | None = None
     """The model id clients put in `"model"`; defaults to `source`."""

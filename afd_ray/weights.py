@@ -2,14 +2,19 @@
 
 This is the only place that decides weight ownership (DESIGN §2): the attention role
 loads embeddings, norms, attention and the LM head; the FFN role loads everything
-under a decoder layer's `mlp.`: the dense MLP, or the MoE's router gate
-(`mlp.gate.weight`, `mlp.gate.e_score_correction_bias`), routed experts
-(`mlp.experts.{e}.{gate,up,down}_proj.weight`) and shared experts
-(`mlp.shared_experts.*`). Both read the same checkpoint folder and filter by name.
+under a decoder layer's FFN block, `mlp.` (Llama, Qwen3-MoE, DeepSeek) or
+`block_sparse_moe.` (Mixtral): the dense MLP, or the MoE's router gate
+(`gate.weight`, `gate.e_score_correction_bias`), routed experts
+(`experts.{e}.{gate,up,down}_proj.weight`, Mixtral's `experts.{e}.{w1,w3,w2}.weight`)
+and shared experts (`shared_experts.*`). Both read the same checkpoint folder and
+filter by name.
+
+The FFN role sees every family under one naming, the FFN block name: the block prefix
+is dropped and Mixtral's expert projections are renamed by `_EXPERT_PROJ`.
 
 Checkpoints on disk name every routed expert separately (what transformers 5.19's
-`save_pretrained` writes for Qwen3-MoE and DeepSeek-V2/V3, although its modules hold
-fused `[E, 2I, H]` tensors), so an EP rank reads only the experts it owns.
+`save_pretrained` writes for Qwen3-MoE, DeepSeek-V2/V3 and Mixtral, although its
+modules hold fused `[E, 2I, H]` tensors), so an EP rank reads only the experts it owns.
 """
 
 from __future__ import annotations
@@ -22,10 +27,15 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-__all__ = ["Role", "expert_of", "ffn_layer_params", "role_of"]
+__all__ = ["Role", "expert_of", "ffn_block_name", "ffn_layer_params", "role_of"]
 
-_MLP = re.compile(r"^model\.layers\.(\d+)\.mlp\.(.+)$")
+_FFN = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.(.+)$")
+"""A decoder layer's FFN block: `mlp.` (Llama, Qwen3-MoE, DeepSeek) or
+`block_sparse_moe.` (Mixtral)."""
 _EXPERT = re.compile(r"^experts\.(\d+)\.")
+_EXPERT_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+"""Mixtral's routed-expert projections -> the gated-MLP names the FFN role uses."""
+_RENAMED_PROJ = re.compile(r"^(experts\.\d+\.)(" + "|".join(_EXPERT_PROJ) + r")\.")
 
 
 class Role(Enum):
@@ -37,23 +47,41 @@ class Role(Enum):
 
 def role_of(name: str) -> Role:
     """Role that owns checkpoint tensor `name` (Hugging Face naming): FFN for
-    `model.layers.{i}.mlp.*` (dense MLP, gate, routed and shared experts)."""
-    return Role.FFN if _MLP.match(name) else Role.ATTENTION
+    `model.layers.{i}.mlp.*` and `model.layers.{i}.block_sparse_moe.*` (dense MLP,
+    gate, routed and shared experts)."""
+    return Role.FFN if _FFN.match(name) else Role.ATTENTION
+
+
+def ffn_block_name(name: str) -> tuple[int, str] | None:
+    """`(layer, name within the FFN block)` of an FFN-role checkpoint tensor, or None
+    for an attention-role one.
+
+    The name within the block is the same for every family:
+    `model.layers.3.block_sparse_moe.experts.5.w1.weight` (Mixtral) and
+    `model.layers.3.mlp.experts.5.gate_proj.weight` both give
+    `(3, "experts.5.gate_proj.weight")`.
+    """
+    match = _FFN.match(name)
+    if match is None:
+        return None
+    inner = _RENAMED_PROJ.sub(lambda m: f"{m.group(1)}{_EXPERT_PROJ[m.group(2)]}.", match.group(2))
+    return int(match.group(1)), inner
 
 
 def expert_of(name: str) -> int | None:
     """Routed expert index of checkpoint tensor `name`
-    (`model.layers.{i}.mlp.experts.{e}.*` -> e), or None for any other tensor
-    (gate, shared experts, dense MLP, attention)."""
-    match = _MLP.match(name)
-    expert = _EXPERT.match(match.group(2)) if match else None
+    (`model.layers.{i}.{mlp,block_sparse_moe}.experts.{e}.*` -> e), or None for any
+    other tensor (gate, shared experts, dense MLP, attention)."""
+    block = ffn_block_name(name)
+    expert = _EXPERT.match(block[1]) if block else None
     return int(expert.group(1)) if expert else None
 
 
 def ffn_layer_params(
     checkpoint: Path, num_layers: int | None = None, experts: Container[int] | None = None
 ) -> Iterator[tuple[int, str, torch.Tensor]]:
-    """Yield `(layer, name within the layer's MLP, tensor)` for FFN-role tensors.
+    """Yield `(layer, name within the FFN block, tensor)` for FFN-role tensors
+    (`ffn_block_name`: the same names for every family).
 
     Reads `*.safetensors` in `checkpoint` lazily: attention-role tensors, layers at
     or past `num_layers` (e.g. DeepSeek-V3's multi-token-prediction layer
@@ -73,12 +101,12 @@ def ffn_layer_params(
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
-                match = _MLP.match(name)
-                if match is None:
+                block = ffn_block_name(name)
+                if block is None:
                     continue
-                layer = int(match.group(1))
+                layer, inner = block
                 expert = expert_of(name)
                 if (num_layers is None or layer < num_layers) and (
                     experts is None or expert is None or expert in experts
                 ):
-                    yield layer, match.group(2), f.get_tensor(name)
+                    yield layer, inner, f.get_tensor(name)

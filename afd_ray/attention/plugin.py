@@ -15,6 +15,7 @@ __all__ = ["AFD_ARCHITECTURES", "afd_architecture", "register"]
 
 AFD_ARCHITECTURES = {
     "LlamaForCausalLM": "afd_ray.attention.models.llama:AFDLlamaForCausalLM",
+    "MixtralForCausalLM": "afd_ray.attention.models.mixtral:AFDMixtralForCausalLM",
     "Qwen3MoeForCausalLM": "afd_ray.attention.models.qwen3_moe:AFDQwen3MoeForCausalLM",
     "DeepseekV2ForCausalLM": "afd_ray.attention.models.deepseek:AFDDeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM": "afd_ray.attention.models.deepseek:AFDDeepseekV3ForCausalLM",

@@ -73,8 +73,9 @@ class Experts(nn.Module):
         return torch.empty_like(rows).index_copy_(0, order, out.to(rows.dtype))
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
-        """Destination view of each owned expert's checkpoint tensor, by name under
-        the layer's `mlp.` prefix (`experts.{e}.gate_proj.weight`, ...)."""
+        """Destination view of each owned expert's checkpoint tensor, by FFN block
+        name (`experts.{e}.gate_proj.weight`, ...; Mixtral's `w1`/`w3`/`w2` are
+        renamed by `afd_ray.weights.ffn_block_name`)."""
         inter = self.intermediate_size
         views = {}
         for local, expert in enumerate(self.owned):

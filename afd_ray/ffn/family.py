@@ -2,9 +2,9 @@
 
 The only place that reads family-specific config fields for the FFN role. Layer
 placement and routing follow transformers 5.19 (`modeling_llama.py`,
-`modeling_qwen3_moe.py`, `modeling_deepseek_v2.py`, `modeling_deepseek_v3.py`) and
-vLLM 0.32 (`models/qwen3_moe.py`, `models/deepseek_v2.py`); where the two differ,
-the note says which one is followed.
+`modeling_mixtral.py`, `modeling_qwen3_moe.py`, `modeling_deepseek_v2.py`,
+`modeling_deepseek_v3.py`) and vLLM 0.32 (`models/mixtral.py`, `models/qwen3_moe.py`,
+`models/deepseek_v2.py`); where the two differ, the note says which one is followed.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from afd_ray.ffn.routing import RoutingSpec
 
 __all__ = ["FFNLayout", "MoEShape", "SUPPORTED_MODEL_TYPES", "ffn_layout"]
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen3_moe", "deepseek_v2", "deepseek_v3")
+SUPPORTED_MODEL_TYPES = ("llama", "mixtral", "qwen3_moe", "deepseek_v2", "deepseek_v3")
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,10 @@ def ffn_layout(config: PretrainedConfig) -> FFNLayout:
     layers = range(config.num_hidden_layers)
     if kind == "llama":
         moe_layers, moe = frozenset(), None
+    elif kind == "mixtral":
+        # MixtralDecoderLayer: every layer is a sparse MoE of `intermediate_size` experts.
+        moe_layers = frozenset(layers)
+        moe = MoEShape(_mixtral_routing(config), config.intermediate_size, 0)
     elif kind == "qwen3_moe":
         # Qwen3MoeDecoderLayer: MoE unless listed in mlp_only_layers, every decoder_sparse_step.
         moe_layers = frozenset(
@@ -87,6 +91,22 @@ def ffn_layout(config: PretrainedConfig) -> FFNLayout:
         mlp_bias=bool(getattr(config, "mlp_bias", False)),
         moe_layers=moe_layers,
         moe=moe,
+    )
+
+
+def _mixtral_routing(config: PretrainedConfig) -> RoutingSpec:
+    """MixtralTopKRouter: softmax top-k, always renormalized, gate in the model dtype."""
+    return RoutingSpec(
+        num_experts=config.num_local_experts,
+        top_k=config.num_experts_per_tok,
+        scoring="softmax",
+        num_groups=1,
+        top_groups=1,
+        group_score="max",
+        correction_bias=False,
+        renormalize=True,
+        scaling_factor=1.0,
+        float32_logits=False,
     )
 
 

@@ -72,7 +72,7 @@ class FFNStack(nn.Module):
 
     def checkpoint_tensors(self) -> dict[tuple[int, str], torch.Tensor]:
         """Destination tensor of each checkpoint tensor this stack loads, keyed by
-        `(layer, name under model.layers.{layer}.mlp.)`."""
+        `(layer, name within the FFN block)` (`afd_ray.weights.ffn_block_name`)."""
         return {(i, name): t for i, block in enumerate(self.layers) for name, t in block.checkpoint_tensors().items()}
 
 

@@ -71,7 +71,7 @@ class Routing(NamedTuple):
 class Router(nn.Module):
     """The gate of one MoE layer: hidden `[T, H]` -> `Routing`.
 
-    Parameters (checkpoint names under `model.layers.{i}.mlp.gate.`):
+    Parameters (FFN block names `gate.*`, e.g. `model.layers.{i}.mlp.gate.*`):
         weight: `[E, H]`; float32 when `spec.float32_logits`, else `dtype`.
         e_score_correction_bias: `[E]` float32 buffer, only with `spec.correction_bias`.
 

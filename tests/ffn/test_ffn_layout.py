@@ -47,7 +47,7 @@ def test_unsupported_routing_raises(family, overrides, match):
 
 def test_unsupported_model_type_raises():
     config = tiny_config("llama")
-    config.model_type = "mixtral"
+    config.model_type = "olmoe"
     with pytest.raises(ValueError, match="model_type"):
         FFNStack(config)
 

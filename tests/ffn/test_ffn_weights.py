@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from afd_ray.weights import Role, expert_of, ffn_layer_params, role_of
+from afd_ray.weights import Role, expert_of, ffn_block_name, ffn_layer_params, role_of
 
 FFN_NAMES = {
     "model.layers.0.mlp.down_proj.weight": None,
@@ -13,6 +13,14 @@ FFN_NAMES = {
     "model.layers.3.mlp.experts.17.gate_proj.weight": 17,
     "model.layers.3.mlp.experts.0.down_proj.weight": 0,
     "model.layers.12.mlp.shared_experts.up_proj.weight": None,
+    "model.layers.3.block_sparse_moe.gate.weight": None,
+    "model.layers.3.block_sparse_moe.experts.7.w2.weight": 7,
+}
+MIXTRAL_BLOCK_NAMES = {
+    "model.layers.3.block_sparse_moe.gate.weight": (3, "gate.weight"),
+    "model.layers.3.block_sparse_moe.experts.7.w1.weight": (3, "experts.7.gate_proj.weight"),
+    "model.layers.3.block_sparse_moe.experts.7.w3.weight": (3, "experts.7.up_proj.weight"),
+    "model.layers.31.block_sparse_moe.experts.0.w2.weight": (31, "experts.0.down_proj.weight"),
 }
 ATTENTION_NAMES = [
     "model.embed_tokens.weight",
@@ -33,6 +41,16 @@ def test_ffn_names(name, expert):
 def test_attention_names(name):
     assert role_of(name) is Role.ATTENTION
     assert expert_of(name) is None
+    assert ffn_block_name(name) is None
+
+
+def test_block_names_are_one_naming_for_every_family():
+    for name, block in MIXTRAL_BLOCK_NAMES.items():
+        assert ffn_block_name(name) == block
+    for name in FFN_NAMES:
+        if ".mlp." in name:  # already the FFN block naming
+            layer, inner = name.removeprefix("model.layers.").split(".mlp.")
+            assert ffn_block_name(name) == (int(layer), inner)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2", "deepseek_v3"])
