@@ -1,0 +1,200 @@
+"""`python -m afd_ray.bench`: run the benchmark, write the JSON, print the table.
+
+Where it runs:
+
+- **As a Ray job** (`JobSubmissionClient(...).submit_job(entrypoint="python -m
+  afd_ray.bench ...")`) or with `--ray-address`: Ray sets `RAY_ADDRESS` for a job's
+  driver, so the run joins that cluster, and uses its Serve instance (started on a
+  free loopback port if there is none yet; its HTTP address is read from the
+  dashboard's Serve REST API otherwise).
+- **In a process already connected to Ray** (a notebook, a test): that connection,
+  and `--serve-url` if Serve is already running without a dashboard.
+- **Otherwise**: a private local cluster (`RAY_AUTH_MODE=disabled`, no dashboard, Serve
+  on a free loopback port), shut down at the end.
+
+`ray.init(address="auto")` is deliberately not the fallback: "auto" joins any Ray
+instance it finds on the machine, including another user's throw-away test cluster.
+Pass `--ray-address auto` to opt into that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import socket
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from datetime import date
+from pathlib import Path
+
+from afd_ray.bench.config import BenchConfig, Topology
+from afd_ray.bench.schema import BenchResult
+from afd_ray.models import FAMILIES
+
+__all__ = ["build_parser", "format_table", "main"]
+
+SMOKE = {"topologies": ("plain", "1A1F"), "concurrency": 1, "requests_per_stream": 1, "max_tokens": 4}
+"""`--smoke`: one short request per topology, plain and 1A:1F; flags given explicitly
+still win."""
+
+_FLAG_TYPES: dict[str, dict[str, object]] = {
+    "families": {"nargs": "+", "choices": FAMILIES},
+    "topologies": {"nargs": "+", "metavar": "LAYOUT"},
+    "concurrency": {"type": int},
+    "requests_per_stream": {"type": int},
+    "prompt": {},
+    "max_tokens": {"type": int},
+    "attention_threads": {"type": int},
+    "ffn_threads": {"type": int},
+    "plain_threads": {"type": int},
+    "bundle_cpus": {"type": float},
+    "kv_cache_gib": {"type": float},
+    "max_model_len": {"type": int},
+    "seed": {"type": int},
+    "checkpoints": {"type": Path},
+    "request_timeout_s": {"type": float},
+    "note": {},
+}
+"""Command-line form of each `BenchConfig` field; defaults and help come from the model."""
+
+
+def _shown(default: object) -> str:
+    if isinstance(default, tuple):
+        return " ".join(item.label if isinstance(item, Topology) else str(item) for item in default)
+    return repr(default)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser; `BenchConfig` fields left out keep the model's defaults."""
+    parser = argparse.ArgumentParser(
+        prog="python -m afd_ray.bench",
+        description="CPU benchmark: plain vLLM vs AFD topologies under a fixed concurrent load.",
+    )
+    for name, options in _FLAG_TYPES.items():
+        field = BenchConfig.model_fields[name]
+        shown = "" if field.default_factory else f" (default: {_shown(field.default)})"
+        parser.add_argument(
+            f"--{name.replace('_', '-')}",
+            dest=name,
+            default=argparse.SUPPRESS,
+            help=f"{field.description}{shown}",
+            **options,
+        )
+    parser.add_argument("--smoke", action="store_true", help=f"smallest run: {SMOKE}")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("benchmarks/results") / f"cpu-{date.today().isoformat()}.json",
+        help="result JSON (default: benchmarks/results/cpu-<date>.json, relative to the working directory)",
+    )
+    parser.add_argument(
+        "--ray-address",
+        default=os.environ.get("RAY_ADDRESS") or None,
+        help="Ray cluster to join (default: $RAY_ADDRESS, set for Ray jobs; else a private local cluster)",
+    )
+    parser.add_argument("--serve-url", help="HTTP address of a running Serve instance (default: discovered)")
+    return parser
+
+
+def format_table(result: BenchResult) -> str:
+    """One line per run: throughput, latencies, FFN traffic and busy fraction."""
+    header = (
+        f"{'family':<12}{'layout':<7}{'thr':>4}{'tok/s':>8}{'TTFT p50':>10}{'TPOT':>8}{'ITL p50':>9}"
+        f"{'ITL p99':>9}{'tok/step':>10}{'B/step':>10}{'formula':>10}{'FFN busy':>10}"
+    )
+    lines = [header, "-" * len(header)]
+    for run in result.runs:
+        if run.ffn:
+            tokens = f"{sum(r.mean_tokens_per_step for r in run.ffn):.2f}"
+            measured, formula = f"{run.measured_bytes_per_step:.0f}", f"{run.formula_bytes_per_step:.0f}"
+            busy = "/".join(f"{r.busy_fraction:.2f}" for r in run.ffn)
+        else:
+            tokens = measured = formula = busy = "-"
+        lines.append(
+            f"{run.family:<12}{run.label:<7}{run.threads:>4}{run.output_tokens_per_s:>8.1f}"
+            f"{run.ttft.p50_ms:>10.1f}{run.tpot.mean_ms:>8.1f}{run.itl.p50_ms:>9.1f}{run.itl.p99_ms:>9.1f}"
+            f"{tokens:>10}{measured:>10}{formula:>10}{busy:>10}"
+        )
+    lines.append(
+        "times in ms (TPOT: mean over requests); tok/step and B/step (A2F+F2A) summed over FFN "
+        "ranks; formula = 2 x L x N_tokens x H x bytes; FFN busy per rank"
+    )
+    return "\n".join(lines)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _local_cpus(cfg: BenchConfig) -> int:
+    """Ray CPUs of a private cluster: the cores, or more if the largest topology's
+    bundles need more scheduling units (the cores are then shared)."""
+    needed = max(cfg.bundle_cpus * (t.attention + t.ffn) for t in cfg.topologies)
+    return max(os.cpu_count() or 1, math.ceil(needed))
+
+
+def _serve_url(dashboard_url: str | None) -> str:
+    """Start Serve on a free loopback port (a no-op if it runs) and return its URL;
+    with a dashboard, the URL of the Serve instance actually running."""
+    import httpx
+    from ray import serve
+
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    if not dashboard_url:
+        return f"http://127.0.0.1:{port}"
+    scheme = "" if "://" in dashboard_url else "http://"
+    details = (
+        httpx.get(f"{scheme}{dashboard_url}/api/serve/applications/", timeout=30).raise_for_status().json()
+    )
+    host, port = details["http_options"]["host"], details["http_options"]["port"]
+    return f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+
+
+@contextmanager
+def _serve_endpoint(cfg: BenchConfig, ray_address: str | None, serve_url: str | None) -> Iterator[str]:
+    """Connect to Ray as the module docstring says; yield the Serve HTTP URL."""
+    import ray
+    from ray import serve
+
+    private = not ray.is_initialized() and ray_address is None
+    joined = not ray.is_initialized()
+    if private:
+        os.environ["RAY_AUTH_MODE"] = "disabled"  # read by ray.init; loopback-only cluster
+        context = ray.init(address="local", include_dashboard=False, num_cpus=_local_cpus(cfg))
+    else:
+        context = ray.init(address=ray_address, ignore_reinit_error=True)
+    try:
+        yield serve_url or _serve_url(context.dashboard_url)
+    finally:
+        if private:
+            serve.shutdown()
+        if joined:
+            ray.shutdown()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark; `argv` defaults to `sys.argv[1:]`. Returns 0.
+
+    Bad flags exit with status 2 and a message naming the field.
+    """
+    parser = build_parser()
+    args = vars(parser.parse_args(argv))
+    out, ray_address, serve_url, smoke = (args.pop(k) for k in ("out", "ray_address", "serve_url", "smoke"))
+    try:
+        cfg = BenchConfig.model_validate((SMOKE if smoke else {}) | args)
+    except ValueError as e:
+        parser.error(str(e))
+
+    from afd_ray.bench.runner import run_benchmark
+
+    with _serve_endpoint(cfg, ray_address, serve_url) as url:
+        result = run_benchmark(cfg, url)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(result.model_dump_json(indent=2) + "\n")
+    print(format_table(result))
+    print(f"afd_ray.bench: wrote {out}")
+    return 0

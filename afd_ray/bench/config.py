@@ -1,0 +1,120 @@
+"""What one benchmark run measures: `BenchConfig`, built once from the command line.
+
+Only the measured settings live here (they are recorded in the result JSON); where
+the run connects (Ray address, Serve URL) and where it writes are CLI arguments.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from afd_ray.models import Family
+
+__all__ = ["BenchConfig", "Topology"]
+
+_TOPOLOGY = re.compile(r"(\d+)A(\d+)F", re.IGNORECASE)
+
+
+class Topology(BaseModel):
+    """One serving layout: `plain` (vLLM alone) or `<A>A<F>F` (AFD, EP=F).
+
+    Parses from its label, so `"plain"`, `"1A1F"` and `"2a2f"` are valid inputs.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    attention: int = Field(ge=1)
+    """Attention ranks (vLLM engines); 1 for plain vLLM."""
+    ffn: int = Field(ge=0)
+    """FFN ranks (the EP size); 0 means plain vLLM, with no FFN pool."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_label(cls, data: object) -> object:
+        if not isinstance(data, str):
+            return data
+        if data.lower() == "plain":
+            return {"attention": 1, "ffn": 0}
+        match = _TOPOLOGY.fullmatch(data)
+        if match is None or int(match[2]) == 0:
+            raise ValueError(f"topology {data!r}: expected 'plain' or '<A>A<F>F' with F >= 1 (e.g. 2A2F)")
+        return {"attention": int(match[1]), "ffn": int(match[2])}
+
+    @property
+    def label(self) -> str:
+        """`plain` or `<A>A<F>F`."""
+        return "plain" if self.ffn == 0 else f"{self.attention}A{self.ffn}F"
+
+
+def _default_checkpoints() -> Path:
+    from afd_ray.models.embedded import cache_dir
+
+    return cache_dir() / "tiny"
+
+
+class BenchConfig(BaseModel):
+    """The measured settings: models, layouts, the load and the pool sizes."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+    families: tuple[Family, ...] = Field(("qwen3_moe",), min_length=1)
+    """Tiny checkpoint families to serve (`afd_ray.models.tiny`), one after another."""
+
+    topologies: tuple[Topology, ...] = Field(
+        (Topology(attention=1, ffn=0), Topology(attention=1, ffn=1), Topology(attention=2, ffn=2)),
+        min_length=1,
+    )
+    """Layouts to deploy, one after another, for every family."""
+
+    concurrency: int = Field(4, ge=1)
+    """Concurrent request streams; each attention rank admits that many sequences."""
+
+    requests_per_stream: int = Field(4, ge=1)
+    """Requests each stream sends one after another (measured)."""
+
+    prompt: str = Field(
+        "The quick brown fox jumps over the lazy dog, again and again and again.", min_length=1
+    )
+    """The prompt of every request (the same for all, so prompt length is fixed)."""
+
+    max_tokens: int = Field(64, ge=2)
+    """Output tokens of every request (`ignore_eos`, so every request yields exactly
+    this many); at least 2, so that a time per output token exists."""
+
+    attention_threads: int = Field(1, ge=1)
+    """Torch/OpenMP threads of each attention rank's engine."""
+
+    ffn_threads: int = Field(1, ge=1)
+    """Torch intra-op threads of each FFN rank."""
+
+    plain_threads: int = Field(2, ge=1)
+    """Torch/OpenMP threads of the plain vLLM engine; the default 2 equals the threads
+    of 1A:1F (one attention thread plus one FFN thread)."""
+
+    bundle_cpus: float = Field(0.5, gt=0)
+    """Ray CPUs in each pool member's bundle (a scheduling unit, not a core pin)."""
+
+    kv_cache_gib: float = Field(0.25, gt=0)
+    """KV-cache space of each engine, GiB."""
+
+    max_model_len: int = Field(512, ge=16)
+    """Context length of each engine, tokens (prompt + output)."""
+
+    seed: int = 0
+    """Weight seed of the tiny checkpoints."""
+
+    checkpoints: Path = Field(default_factory=_default_checkpoints)
+    """Folder holding the tiny checkpoints (`<family>-seed<seed>/`), built on first use;
+    default `<afd_ray cache>/tiny`."""
+
+    request_timeout_s: float = Field(300.0, gt=0)
+    """HTTP timeout of each request and of each status read, seconds."""
+
+    note: str = (
+        "CPU numbers from a small machine shared with other workloads; "
+        "compare layouts within one file, not across machines."
+    )
+    """Free text stored with the results (e.g. how noisy the machine was)."""

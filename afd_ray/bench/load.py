@@ -1,0 +1,113 @@
+"""The fixed concurrent load: streaming `/v1/completions` requests over httpx/asyncio.
+
+`concurrency` streams each send `requests_per_stream` requests one after another;
+each request streams (SSE) with `return_token_ids`, so every chunk says how many
+tokens it carries, and `stream_options.include_usage`, so the last chunk gives the
+totals. All times come from `time.perf_counter()` in this process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+from dataclasses import dataclass
+
+import httpx
+
+__all__ = ["LoadError", "LoadResult", "RequestTiming", "run_load"]
+
+
+class LoadError(RuntimeError):
+    """A request failed (non-200 answer, or a stream without usage or tokens)."""
+
+
+@dataclass(frozen=True)
+class RequestTiming:
+    """One streamed request; times are seconds from `time.perf_counter()`."""
+
+    sent_s: float
+    token_times_s: tuple[float, ...]
+    """Arrival time of each token-carrying chunk, in order (at least one)."""
+    output_tokens: int
+    prompt_tokens: int
+
+    @property
+    def ttft_s(self) -> float:
+        return self.token_times_s[0] - self.sent_s
+
+    @property
+    def tpot_s(self) -> float:
+        """Mean time per output token after the first (needs `output_tokens >= 2`)."""
+        return (self.token_times_s[-1] - self.token_times_s[0]) / (self.output_tokens - 1)
+
+    @property
+    def itl_s(self) -> list[float]:
+        """Gaps between consecutive token-carrying chunks."""
+        times = self.token_times_s
+        return [b - a for a, b in itertools.pairwise(times)]
+
+    @property
+    def e2e_s(self) -> float:
+        return self.token_times_s[-1] - self.sent_s
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    wall_s: float
+    """First request sent until the last one finished, seconds."""
+    requests: list[RequestTiming]
+
+
+async def _request(client: httpx.AsyncClient, path: str, body: dict[str, object]) -> RequestTiming:
+    sent = time.perf_counter()
+    token_times: list[float] = []
+    usage: dict[str, int] | None = None
+    async with client.stream("POST", path, json=body) as response:
+        if response.status_code != 200:
+            raise LoadError(f"POST {path}: HTTP {response.status_code}: {(await response.aread()).decode()}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line.removeprefix("data: "))
+            if chunk["choices"] and chunk["choices"][0].get("token_ids"):
+                token_times.append(time.perf_counter())
+            usage = chunk.get("usage") or usage
+    if usage is None or not token_times:
+        raise LoadError(f"POST {path}: stream ended without tokens or usage")
+    return RequestTiming(sent, tuple(token_times), usage["completion_tokens"], usage["prompt_tokens"])
+
+
+async def _stream(
+    client: httpx.AsyncClient, path: str, body: dict[str, object], count: int
+) -> list[RequestTiming]:
+    return [await _request(client, path, body) for _ in range(count)]
+
+
+async def run_load(
+    base_url: str,
+    path: str,
+    body: dict[str, object],
+    concurrency: int,
+    requests_per_stream: int,
+    timeout_s: float,
+) -> LoadResult:
+    """Send `body` to `base_url + path` from `concurrency` streams, `requests_per_stream`
+    times each, and time every request.
+
+    `body` is an OpenAI completions request; streaming, token ids and usage are
+    switched on here.
+
+    Raises:
+        LoadError: a request was answered with an error or an incomplete stream.
+    """
+    body = body | {"stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+    limits = httpx.Limits(max_connections=concurrency)
+    async with httpx.AsyncClient(base_url=base_url, timeout=timeout_s, limits=limits) as client:
+        start = time.perf_counter()
+        streams = await asyncio.gather(
+            *(_stream(client, path, body, requests_per_stream) for _ in range(concurrency))
+        )
+        wall = time.perf_counter() - start
+    return LoadResult(wall, [timing for stream in streams for timing in stream])

@@ -1,0 +1,116 @@
+"""The baseline: plain vLLM (no AFD) behind the same Serve application shape.
+
+Why this baseline, and not `vllm serve` or an `LLM` in a subprocess: the AFD path is
+HTTP → Serve proxy → `Ingress` replica → `AttentionServer` replica (an `AsyncLLM`
+behind vLLM's OpenAI serving layer). A separate `vllm serve` would skip two Serve hops
+and use its own HTTP server, so the comparison would mix the cost of AFD with the
+cost of Ray Serve. Here the plain engine runs in a `PlainServer` replica behind the very
+same `Ingress` class, with the same engine arguments (`engine_args` of the attention
+pool, minus the two things that make it an AFD rank: the architecture override and
+the AFD worker extension) and the same engine environment (`engine_env`). The only
+difference left is the one measured: the whole model in one vLLM engine, against
+attention in vLLM plus the FFN pool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from ray import serve
+from ray.serve import Application
+from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+from vllm.entrypoints.openai.models.protocol import BaseModelPath
+from vllm.entrypoints.openai.models.serving import OpenAIServingModels
+from vllm.renderers.online_renderer import OnlineRenderer
+from vllm.usage.usage_lib import UsageContext
+from vllm.v1.engine.async_llm import AsyncLLM
+
+from afd_ray.attention.engine import engine_args, engine_env
+from afd_ray.attention.server import AttentionServer
+from afd_ray.config import AFDConfig, AttentionPoolConfig, ModelConfig
+from afd_ray.control.membership import AFDStatus
+from afd_ray.models.embedded import resolve_checkpoint
+from afd_ray.platform import actor_resources, resource_key
+from afd_ray.serve.ingress import Ingress
+
+__all__ = ["PlainServer", "build_plain_app"]
+
+
+class PlainServer(AttentionServer):
+    """An `AttentionServer` whose engine runs the checkpoint's own vLLM model class.
+
+    It answers the attention role's calls (`chat`, `completions`, `models`,
+    `check_health`, inherited) and the coordinator's `status`, which shows no pools,
+    so the unchanged `Ingress` can front it.
+    """
+
+    async def __init__(self, model: ModelConfig, attention: AttentionPoolConfig) -> None:
+        """Start the plain engine and vLLM's OpenAI serving layer on it.
+
+        Raises:
+            ValueError: `model.source` cannot be resolved to a checkpoint folder.
+        """
+        self.rank = 0
+        os.environ.update(engine_env(attention))
+        checkpoint = resolve_checkpoint(model)
+        args = dataclasses.replace(
+            engine_args(model, attention, checkpoint, "gate_on_ffn"), hf_overrides={}, worker_extension_cls=""
+        )
+        self._engine = AsyncLLM.from_engine_args(args, usage_context=UsageContext.OPENAI_API_SERVER)
+        self._models = OpenAIServingModels(
+            self._engine, [BaseModelPath(name=model.name, model_path=str(checkpoint))]
+        )
+        renderer = OnlineRenderer(
+            self._engine.model_config,
+            self._engine.renderer,
+            request_logger=None,
+            chat_template=None,
+            chat_template_content_format="auto",
+        )
+        renderer.warmup()
+        self._chat = OpenAIServingChat(
+            self._engine,
+            self._models,
+            "assistant",
+            online_renderer=renderer,
+            request_logger=None,
+            chat_template=None,
+            chat_template_content_format="auto",
+        )
+        self._completion = OpenAIServingCompletion(
+            self._engine, self._models, online_renderer=renderer, request_logger=None
+        )
+
+    async def status(self) -> AFDStatus:
+        """`/afd/status` of a plain engine: no attention or FFN pool."""
+        return AFDStatus(epoch=0, attention=[], ffn=[])
+
+
+def build_plain_app(cfg: AFDConfig) -> Application:
+    """The plain-vLLM counterpart of `afd_ray.serve.app.build_app(cfg)`: one
+    `PlainServer` replica with the attention pool's deployment options, behind the same
+    `Ingress` with the same options. `cfg.attention.num_ranks` and `cfg.ffn` are
+    ignored: the baseline is one engine.
+    """
+    key = resource_key(cfg.platform)
+    bundle = cfg.attention.bundle_resources
+    plain = (
+        serve.deployment(PlainServer)
+        .options(
+            name="plain",
+            num_replicas=1,
+            max_ongoing_requests=cfg.attention.max_num_seqs,
+            ray_actor_options=dict(actor_resources(cfg.platform, bundle)),
+            placement_group_bundles=[{key: bundle}],
+            placement_group_strategy="STRICT_PACK",
+        )
+        .bind(cfg.model, cfg.attention)
+    )
+    ingress = serve.deployment(Ingress).options(
+        name="ingress",
+        max_ongoing_requests=cfg.ingress.max_ongoing_requests,
+        ray_actor_options={"num_cpus": 0},
+    )
+    return ingress.bind(plain, plain, plain)

@@ -1,0 +1,228 @@
+"""Deploy each topology in turn, drive the load through Serve's HTTP proxy, collect.
+
+Per (family, topology): `serve.run` the application under its own route prefix, send
+one unmeasured warm-up round (one request per stream), read `/afd/status` once the
+FFN counters have settled, run the measured load, read the settled counters again,
+and delete the application. The FFN figures are the deltas of the two reads, so the
+engines' start-up and warm-up forwards are not counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+
+import httpx
+import ray
+import torch
+import vllm
+from ray import serve
+
+from afd_ray.bench.config import BenchConfig, Topology
+from afd_ray.bench.load import LoadResult, run_load
+from afd_ray.bench.plain import build_plain_app
+from afd_ray.bench.schema import BenchResult, FFNRankResult, Latency, Machine, RunResult
+from afd_ray.config import AFDConfig, AttentionPoolConfig, FFNPoolConfig, ModelConfig
+from afd_ray.control.membership import AFDStatus, FFNMember
+from afd_ray.models.tiny import build_tiny
+from afd_ray.serve.app import build_app
+
+__all__ = ["machine", "run_benchmark"]
+
+SERVED_NAME = "tiny"
+_SETTLE_POLL_S = 0.5
+"""Gap between two `/afd/status` reads that must agree before counters count as
+settled; longer than the FFN ranks' report period (0.2 s)."""
+_SETTLE_READS = 20
+"""Status reads before giving up on settled counters."""
+
+
+def machine() -> Machine:
+    """The CPU, memory and software versions of this machine."""
+    cpuinfo = Path("/proc/cpuinfo").read_text()
+    model = next(
+        (line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")),
+        "unknown",
+    )
+    meminfo = Path("/proc/meminfo").read_text().split()
+    mem_kib = int(meminfo[meminfo.index("MemTotal:") + 1])
+    return Machine(
+        cpu_model=model,
+        logical_cores=os.cpu_count() or 0,
+        usable_cores=len(os.sched_getaffinity(0)),
+        memory_gib=round(mem_kib / (1 << 20), 1),
+        os=platform.platform(),
+        python=sys.version.split()[0],
+        torch=torch.__version__,
+        vllm=vllm.__version__,
+        ray=ray.__version__,
+    )
+
+
+def _app_config(cfg: BenchConfig, checkpoint: Path, topology: Topology) -> AFDConfig:
+    """The `AFDConfig` of one run; plain vLLM uses its model and attention sections."""
+    threads = cfg.plain_threads if topology.ffn == 0 else cfg.attention_threads
+    return AFDConfig(
+        platform="cpu",
+        model=ModelConfig(source=str(checkpoint), served_name=SERVED_NAME, max_model_len=cfg.max_model_len),
+        attention=AttentionPoolConfig(
+            num_ranks=topology.attention,
+            bundle_resources=cfg.bundle_cpus,
+            kv_cache_gib=cfg.kv_cache_gib,
+            max_num_seqs=cfg.concurrency,
+            num_threads=threads,
+        ),
+        ffn=FFNPoolConfig(
+            num_ranks=topology.ffn, bundle_resources=cfg.bundle_cpus, num_threads=cfg.ffn_threads
+        )
+        if topology.ffn
+        else FFNPoolConfig(),
+    )
+
+
+def _settled_status(http: httpx.Client, route: str) -> AFDStatus:
+    """`/afd/status` once two reads `_SETTLE_POLL_S` apart agree (all FFN counters
+    reported).
+
+    Raises:
+        TimeoutError: the counters kept changing for `_SETTLE_READS` reads.
+    """
+    last = None
+    for _ in range(_SETTLE_READS):
+        response = http.get(f"{route}/afd/status")
+        response.raise_for_status()
+        status = AFDStatus.model_validate(response.json())
+        if status == last:
+            return status
+        last = status
+        time.sleep(_SETTLE_POLL_S)
+    raise TimeoutError(f"{route}/afd/status: FFN counters still changing after {_SETTLE_READS} reads")
+
+
+def _ffn_rank(
+    before: FFNMember, after: FFNMember, wall_s: float, layers: int, hidden: int, elem: int
+) -> FFNRankResult:
+    """Counter deltas of one FFN rank over the load, next to DESIGN §1's formula.
+
+    Raises:
+        RuntimeError: the rank served no step during the load.
+    """
+    steps = after.steps - before.steps
+    if steps <= 0:
+        raise RuntimeError(f"FFN rank {after.rank} served no step during the load")
+    tokens = after.tokens - before.tokens
+    return FFNRankResult(
+        rank=after.rank,
+        steps=steps,
+        tokens=tokens,
+        mean_tokens_per_step=tokens / steps,
+        a2f_bytes_per_step=(after.a2f_bytes - before.a2f_bytes) / steps,
+        f2a_bytes_per_step=(after.f2a_bytes - before.f2a_bytes) / steps,
+        formula_bytes_per_step=2 * layers * (tokens / steps) * hidden * elem,
+        busy_fraction=(after.busy_s - before.busy_s) / wall_s,
+    )
+
+
+def _run_one(cfg: BenchConfig, family: str, checkpoint: Path, topology: Topology, base_url: str) -> RunResult:
+    app_cfg = _app_config(cfg, checkpoint, topology)
+    name = f"bench-{family}-{topology.label}".lower().replace("_", "-")
+    route = f"/{name}"
+    app = build_plain_app(app_cfg) if topology.ffn == 0 else build_app(app_cfg.model_dump())
+    body = {
+        "model": SERVED_NAME,
+        "prompt": cfg.prompt,
+        "max_tokens": cfg.max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+
+    def load(requests_per_stream: int) -> LoadResult:
+        return asyncio.run(
+            run_load(
+                base_url,
+                f"{route}/v1/completions",
+                body,
+                cfg.concurrency,
+                requests_per_stream,
+                cfg.request_timeout_s,
+            )
+        )
+
+    start = time.perf_counter()
+    serve.run(app, name=name, route_prefix=route)
+    deploy_s = time.perf_counter() - start
+    try:
+        with httpx.Client(base_url=base_url, timeout=cfg.request_timeout_s) as http:
+            load(1)  # warm-up, not measured
+            before = _settled_status(http, route)
+            load_before = os.getloadavg()[0]
+            result = load(cfg.requests_per_stream)
+            load_after = os.getloadavg()[0]
+            after = _settled_status(http, route)
+    finally:
+        serve.delete(name)
+
+    model_config = json.loads((checkpoint / "config.json").read_text())
+    layers, hidden = model_config["num_hidden_layers"], model_config["hidden_size"]
+    elem = getattr(torch, app_cfg.model.dtype).itemsize
+    ffn = [
+        _ffn_rank(b, a, result.wall_s, layers, hidden, elem)
+        for b, a in zip(before.ffn, after.ffn, strict=True)
+    ]
+    requests = result.requests
+    output_tokens = sum(r.output_tokens for r in requests)
+    return RunResult(
+        family=family,
+        topology=topology,
+        label=topology.label,
+        threads=app_cfg.attention.num_threads * topology.attention + app_cfg.ffn.num_threads * topology.ffn,
+        deploy_s=deploy_s,
+        requests=len(requests),
+        output_tokens=output_tokens,
+        prompt_tokens=requests[0].prompt_tokens,
+        wall_s=result.wall_s,
+        output_tokens_per_s=output_tokens / result.wall_s,
+        ttft=Latency.of([r.ttft_s for r in requests]),
+        tpot=Latency.of([r.tpot_s for r in requests]),
+        itl=Latency.of([gap for r in requests for gap in r.itl_s]),
+        e2e=Latency.of([r.e2e_s for r in requests]),
+        load_average_1m=(load_before, load_after),
+        ffn=ffn,
+        measured_bytes_per_step=sum(r.a2f_bytes_per_step + r.f2a_bytes_per_step for r in ffn)
+        if ffn
+        else None,
+        formula_bytes_per_step=sum(r.formula_bytes_per_step for r in ffn) if ffn else None,
+    )
+
+
+def run_benchmark(cfg: BenchConfig, base_url: str, progress: Callable[[str], None] = print) -> BenchResult:
+    """Measure every (family, topology) of `cfg` on the Serve instance at `base_url`.
+
+    Needs a Ray connection (`ray.init`) to a cluster whose Serve HTTP proxy answers at
+    `base_url`, with room for the largest topology's bundles
+    (`cfg.bundle_cpus` × (A + F) CPUs). Applications are named `bench-<family>-<label>`
+    and deleted after their run; other applications are left alone.
+
+    Raises:
+        afd_ray.bench.load.LoadError: a request failed.
+        RuntimeError: an FFN rank served no step during a load.
+        TimeoutError: FFN counters did not settle after a load.
+    """
+    runs = []
+    for family in cfg.families:
+        checkpoint = build_tiny(family, cfg.checkpoints / f"{family}-seed{cfg.seed}", cfg.seed)
+        for topology in cfg.topologies:
+            progress(f"afd_ray.bench: {family} {topology.label} ...")
+            run = _run_one(cfg, family, checkpoint, topology, base_url)
+            progress(f"afd_ray.bench: {family} {topology.label}: {run.output_tokens_per_s:.1f} output tok/s")
+            runs.append(run)
+    return BenchResult(
+        created=datetime.now(UTC).isoformat(timespec="seconds"), machine=machine(), config=cfg, runs=runs
+    )

@@ -1,0 +1,134 @@
+"""The result JSON of `python -m afd_ray.bench`: `BenchResult` and its parts.
+
+Times are milliseconds (`*_ms`) or seconds (`*_s`), sizes bytes. `BenchResult` is the
+whole file; read one back with `BenchResult.model_validate_json(text)`.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+
+from pydantic import BaseModel, ConfigDict
+
+from afd_ray.bench.config import BenchConfig, Topology
+
+__all__ = ["SCHEMA_VERSION", "BenchResult", "FFNRankResult", "Latency", "Machine", "RunResult"]
+
+SCHEMA_VERSION = 1
+"""Bumped whenever a field changes meaning or is removed."""
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Latency(_Record):
+    """Mean and percentiles of one latency figure over a run, milliseconds."""
+
+    count: int
+    """Samples the figures summarize."""
+    mean_ms: float
+    p50_ms: float
+    p90_ms: float
+    p99_ms: float
+
+    @classmethod
+    def of(cls, samples_s: Sequence[float]) -> Latency:
+        """Summarize `samples_s` (seconds, at least one) with `statistics`
+        (inclusive percentiles; a single sample is its own percentiles)."""
+        ms = [s * 1e3 for s in samples_s]
+        cuts = statistics.quantiles(ms, n=100, method="inclusive") if len(ms) > 1 else ms * 99
+        return cls(
+            count=len(ms), mean_ms=statistics.fmean(ms), p50_ms=cuts[49], p90_ms=cuts[89], p99_ms=cuts[98]
+        )
+
+
+class Machine(_Record):
+    """Where the numbers were measured."""
+
+    cpu_model: str
+    """`model name` of /proc/cpuinfo."""
+    logical_cores: int
+    """Logical CPUs of the machine (`os.cpu_count()`)."""
+    usable_cores: int
+    """Logical CPUs this process may run on (its affinity mask)."""
+    memory_gib: float
+    """MemTotal of /proc/meminfo, GiB."""
+    os: str
+    python: str
+    torch: str
+    vllm: str
+    ray: str
+
+
+class FFNRankResult(_Record):
+    """One FFN rank over the measured load: counter deltas of `/afd/status`."""
+
+    rank: int
+    steps: int
+    """FFN steps served during the load."""
+    tokens: int
+    """Token rows served during the load, summed over steps."""
+    mean_tokens_per_step: float
+    """`tokens / steps`: N_tokens of the traffic formula."""
+    a2f_bytes_per_step: float
+    """Hidden-state bytes received from attention peers per step (all layers)."""
+    f2a_bytes_per_step: float
+    """FFN-output bytes sent back per step (all layers)."""
+    formula_bytes_per_step: float
+    """DESIGN §1's `2 × L × N_tokens × H × bytes_per_elem`, with L and H from the
+    checkpoint config and N_tokens = `mean_tokens_per_step`."""
+    busy_fraction: float
+    """Time inside steps (receive + compute + send) over the load's wall time."""
+
+
+class RunResult(_Record):
+    """One family served with one topology under the fixed load."""
+
+    family: str
+    topology: Topology
+    label: str
+    """`plain` or `<A>A<F>F`."""
+    threads: int
+    """Torch threads of all pool members together (engines + FFN ranks)."""
+    deploy_s: float
+    """`serve.run` until the application was ready, seconds."""
+    requests: int
+    output_tokens: int
+    """Output tokens of all measured requests (from each stream's final usage)."""
+    prompt_tokens: int
+    """Prompt tokens of one request."""
+    wall_s: float
+    """First request sent until the last one finished, seconds."""
+    output_tokens_per_s: float
+    """`output_tokens / wall_s`."""
+    ttft: Latency
+    """Time to first token of each request."""
+    tpot: Latency
+    """Mean time per output token of each request after its first:
+    `(last token - first token) / (output tokens - 1)`."""
+    itl: Latency
+    """Gaps between consecutive token-carrying stream chunks, all requests."""
+    e2e: Latency
+    """Request sent until its stream ended."""
+    load_average_1m: tuple[float, float]
+    """The machine's 1-minute load average before and after the load (how much else
+    was running)."""
+    ffn: list[FFNRankResult]
+    """Per FFN rank, in rank order; empty for plain vLLM."""
+    measured_bytes_per_step: float | None
+    """A2F + F2A bytes per step summed over FFN ranks; None for plain vLLM."""
+    formula_bytes_per_step: float | None
+    """`formula_bytes_per_step` summed over FFN ranks; None for plain vLLM."""
+
+
+class BenchResult(_Record):
+    """The whole result file."""
+
+    schema_version: int = SCHEMA_VERSION
+    created: str
+    """UTC time the run finished, ISO 8601."""
+    machine: Machine
+    config: BenchConfig
+    runs: list[RunResult]

@@ -1,0 +1,37 @@
+"""The benchmark's settings and summaries, without a cluster."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from afd_ray.bench import BenchConfig, Topology
+from afd_ray.bench.cli import main
+from afd_ray.bench.schema import Latency
+
+
+def test_topologies_parse_from_their_labels() -> None:
+    cfg = BenchConfig(topologies=("plain", "1A1F", "3a2f"))
+    assert [(t.attention, t.ffn) for t in cfg.topologies] == [(1, 0), (1, 1), (3, 2)]
+    assert [t.label for t in cfg.topologies] == ["plain", "1A1F", "3A2F"]
+    assert Topology.model_validate(cfg.topologies[2].model_dump()) == cfg.topologies[2]
+
+
+@pytest.mark.parametrize("label", ["1A0F", "AF", "2x2", ""])
+def test_bad_topology_is_rejected_with_its_label(label: str) -> None:
+    with pytest.raises(ValidationError, match="topolog"):
+        BenchConfig(topologies=(label,))
+
+
+def test_bad_flag_exits_2_naming_the_field(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--concurrency", "0"])
+    assert exit_info.value.code == 2
+    assert "concurrency" in capsys.readouterr().err
+
+
+def test_latency_summary_in_milliseconds() -> None:
+    summary = Latency.of([0.010, 0.020, 0.030])
+    assert summary.count == 3
+    assert summary.mean_ms == pytest.approx(20.0) and summary.p50_ms == pytest.approx(20.0)
+    assert Latency.of([0.005]).p99_ms == pytest.approx(5.0)  # one sample: its own percentiles

@@ -1,0 +1,41 @@
+"""`python -m afd_ray.bench --smoke` end to end on the session cluster.
+
+One short request per topology, plain vLLM and 1A:1F, through the session's Serve
+proxy. Checks that the result JSON is complete and its figures are positive;
+performance itself is proven in benchmarks, never asserted here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from afd_ray.bench import BenchResult
+from afd_ray.bench.cli import main
+
+
+def test_smoke_run_writes_a_complete_result(
+    serve_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "result.json"
+    argv = ["--smoke", "--serve-url", serve_url, "--out", str(out), "--checkpoints", str(tmp_path / "tiny")]
+    assert main(argv) == 0
+
+    result = BenchResult.model_validate_json(out.read_text())
+    assert result.machine.logical_cores > 0 and result.machine.cpu_model
+    assert [run.label for run in result.runs] == ["plain", "1A1F"]
+    for run in result.runs:
+        assert run.requests == 1 and run.output_tokens == result.config.max_tokens
+        assert run.prompt_tokens > 0
+        assert min(run.wall_s, run.output_tokens_per_s, run.deploy_s) > 0
+        assert min(run.ttft.mean_ms, run.tpot.mean_ms, run.itl.p50_ms, run.e2e.p99_ms) > 0
+    plain, afd = result.runs
+    assert plain.ffn == [] and plain.measured_bytes_per_step is None
+    (rank,) = afd.ffn
+    assert rank.steps > 0 and rank.mean_tokens_per_step > 0 and 0 < rank.busy_fraction
+    assert rank.a2f_bytes_per_step == rank.f2a_bytes_per_step > 0
+    assert afd.measured_bytes_per_step == pytest.approx(afd.formula_bytes_per_step)
+
+    table = capsys.readouterr().out
+    assert "plain" in table and "1A1F" in table
