@@ -21,10 +21,12 @@ __all__ = [
     "FFNPoolConfig",
     "IngressConfig",
     "ModelConfig",
+    "GatePlacement",
     "Platform",
 ]
 
 Platform = Literal["cpu", "cuda", "npu"]
+GatePlacement = Literal["gate_on_ffn", "gate_on_attention"]
 DType = Literal["float32", "bfloat16", "float16"]
 EMBEDDED_MODELS = ("smollm2", "smollm2-moe")
 
@@ -135,6 +137,12 @@ class AFDConfig(_Section):
     platform: Platform = "cpu"
     """Device family of both pools; fixes the torch device, the collective backend
     (gloo/nccl/hccl) and the Ray resource key (CPU/GPU/NPU)."""
+
+    gate_placement: GatePlacement = "gate_on_ffn"
+    """Where MoE routing runs (DESIGN §2). `gate_on_ffn`: the FFN receives hidden
+    states and routes them. `gate_on_attention`: the attention rank computes the
+    top-k ids and weights and sends them with the hidden states, and dense MLP layers
+    stay on the attention rank (MoE models only)."""
 
     model: ModelConfig = ModelConfig()
     ingress: IngressConfig = IngressConfig()

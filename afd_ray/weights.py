@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-__all__ = ["Role", "expert_of", "ffn_block_name", "ffn_layer_params", "role_of"]
+__all__ = ["Role", "expert_of", "ffn_block_name", "ffn_block_prefix", "ffn_layer_params", "role_of"]
 
 _FFN = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.(.+)$")
 """A decoder layer's FFN block: `mlp.` (Llama, Qwen3-MoE, DeepSeek) or
@@ -45,11 +45,27 @@ class Role(Enum):
     FFN = "ffn"
 
 
-def role_of(name: str) -> Role:
-    """Role that owns checkpoint tensor `name` (Hugging Face naming): FFN for
-    `model.layers.{i}.mlp.*` and `model.layers.{i}.block_sparse_moe.*` (dense MLP,
-    gate, routed and shared experts)."""
-    return Role.FFN if _FFN.match(name) else Role.ATTENTION
+def ffn_block_prefix(model_type: str) -> str:
+    """The checkpoint's name of a decoder layer's FFN block: `block_sparse_moe`
+    (Mixtral) or `mlp` (the others)."""
+    return "block_sparse_moe" if model_type == "mixtral" else "mlp"
+
+
+def role_of(name: str, gate_on_attention: bool = False, moe_layers: Container[int] = ()) -> Role:
+    """Role that owns checkpoint tensor `name` (Hugging Face naming).
+
+    With `gate_on_ffn` (default): FFN for `model.layers.{i}.mlp.*` and
+    `model.layers.{i}.block_sparse_moe.*` (dense MLP, gate, routed and shared
+    experts). With `gate_on_attention` the router gate and the dense MLPs of layers
+    not in `moe_layers` stay with the attention role (DESIGN §2).
+    """
+    block = ffn_block_name(name)
+    if block is None:
+        return Role.ATTENTION
+    layer, inner = block
+    if gate_on_attention and (layer not in moe_layers or inner.startswith("gate.")):
+        return Role.ATTENTION
+    return Role.FFN
 
 
 def ffn_block_name(name: str) -> tuple[int, str] | None:
@@ -78,7 +94,11 @@ def expert_of(name: str) -> int | None:
 
 
 def ffn_layer_params(
-    checkpoint: Path, num_layers: int | None = None, experts: Container[int] | None = None
+    checkpoint: Path,
+    num_layers: int | None = None,
+    experts: Container[int] | None = None,
+    gate_on_attention: bool = False,
+    moe_layers: Container[int] = (),
 ) -> Iterator[tuple[int, str, torch.Tensor]]:
     """Yield `(layer, name within the FFN block, tensor)` for FFN-role tensors
     (`ffn_block_name`: the same names for every family).
@@ -90,7 +110,8 @@ def ffn_layer_params(
     Args:
         num_layers: keep layers `[0, num_layers)`; None keeps all.
         experts: routed expert indices to keep; None keeps all. Gate, shared
-            experts and dense MLPs are always kept.
+            experts and dense MLPs are kept when they have the FFN role.
+        gate_on_attention, moe_layers: the gate placement, as in `role_of`.
 
     Raises:
         FileNotFoundError: no safetensors file in `checkpoint`.
@@ -102,7 +123,7 @@ def ffn_layer_params(
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 block = ffn_block_name(name)
-                if block is None:
+                if block is None or role_of(name, gate_on_attention, moe_layers) is not Role.FFN:
                     continue
                 layer, inner = block
                 expert = expert_of(name)

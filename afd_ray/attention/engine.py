@@ -14,7 +14,8 @@ from vllm.engine.arg_utils import AsyncEngineArgs
 
 from afd_ray.attention.plugin import afd_architecture
 from afd_ray.attention.worker import AFDWorkerExtension
-from afd_ray.config import AttentionPoolConfig, ModelConfig
+from afd_ray.attention.models.base import GATE_ON_ATTENTION
+from afd_ray.config import AttentionPoolConfig, GatePlacement, ModelConfig
 
 __all__ = ["engine_args", "engine_env"]
 
@@ -22,13 +23,15 @@ GIB = 1 << 30
 
 
 def engine_args(
-    model: ModelConfig, attention: AttentionPoolConfig, checkpoint: Path
+    model: ModelConfig, attention: AttentionPoolConfig, checkpoint: Path, gate_placement: GatePlacement
 ) -> AsyncEngineArgs:
     """The `AsyncLLM` arguments of one attention rank.
 
     Args:
         model: which model, its dtype and context length (`max_model_len` tokens).
         attention: batch size, KV-cache budget (GiB) and eager mode of the rank.
+        gate_placement: where MoE routing runs; reaches the AFD model class as the
+            config attribute `afd_gate_on_attention`.
         checkpoint: a local Hugging Face folder (config.json, safetensors,
             tokenizer), as returned by `afd_ray.models.embedded.resolve_checkpoint`.
 
@@ -47,7 +50,10 @@ def engine_args(
         max_num_seqs=attention.max_num_seqs,
         enforce_eager=attention.enforce_eager,
         kv_cache_memory_bytes=int(attention.kv_cache_gib * GIB),
-        hf_overrides={"architectures": [afd_architecture(checkpoint)]},
+        hf_overrides={
+            "architectures": [afd_architecture(checkpoint)],
+            GATE_ON_ATTENTION: gate_placement == "gate_on_attention",
+        },
         worker_extension_cls=f"{AFDWorkerExtension.__module__}.{AFDWorkerExtension.__qualname__}",
     )
 

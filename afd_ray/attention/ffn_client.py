@@ -38,12 +38,16 @@ class FFNClient:
         )
         self._last_layer = -1
 
-    def exchange(self, hidden: torch.Tensor, layer: int) -> torch.Tensor:
-        """A2F + F2A of decoder layer `layer`: hidden `[T, H]` -> FFN output `[T, H]`."""
+    def exchange(
+        self, hidden: torch.Tensor, layer: int, topk: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """A2F + F2A of decoder layer `layer`: hidden `[T, H]` (plus, with
+        `gate_on_attention`, its top-k ids `[T, k]` int64 and weights `[T, k]`
+        float32) -> FFN output `[T, H]`."""
         if layer <= self._last_layer or self._last_layer < 0:
             self.channel.send_header(hidden.shape[0])
         self._last_layer = layer
-        return self.channel.exchange(hidden)
+        return self.channel.exchange(hidden, topk)
 
 
 def ffn_client() -> FFNClient:

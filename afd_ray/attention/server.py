@@ -31,7 +31,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 
 from afd_ray.attention.engine import engine_args, engine_env
 from afd_ray.attention.ffn_client import ASSIGNMENT_ENV
-from afd_ray.config import AttentionPoolConfig, ConnectorConfig, ModelConfig
+from afd_ray.config import AttentionPoolConfig, ConnectorConfig, GatePlacement, ModelConfig
 from afd_ray.models.embedded import resolve_checkpoint
 
 __all__ = ["AttentionServer", "ChatChunk", "CompletionChunk"]
@@ -66,6 +66,7 @@ class AttentionServer:
         model: ModelConfig,
         attention: AttentionPoolConfig,
         connector: ConnectorConfig,
+        gate_placement: GatePlacement,
         coordinator: DeploymentHandle,
     ) -> None:
         """Get an FFN peer from the coordinator, then start the engine; returns once
@@ -86,7 +87,7 @@ class AttentionServer:
         os.environ[ASSIGNMENT_ENV] = assignment.model_dump_json()
         checkpoint = resolve_checkpoint(model)
         self._engine = AsyncLLM.from_engine_args(
-            engine_args(model, attention, checkpoint),
+            engine_args(model, attention, checkpoint, gate_placement),
             usage_context=UsageContext.OPENAI_API_SERVER,
         )
         self._models = OpenAIServingModels(

@@ -15,6 +15,8 @@ Protocol rules (why it cannot deadlock with one FFN peer per attention rank):
    it reads the JOIN, at a step boundary. Headers from one peer are read in order.
 2. An attention rank sends STEP(T) before the tensors of a step and waits for the F2A of
    the last layer before its next header, so at most one step per peer is in flight.
+   Per FFN layer it sends `[T, H]`, then (with `gate_on_attention`) top-k ids and
+   weights `[T, k]`, then receives `[T, H]`.
 3. The FFN posts data-plane receives only for peers whose STEP it has read, so every
    posted receive has a sender on the way; each one is bounded by `timeout_s`, and a
    dead peer fails it at once ("connection closed by peer").
@@ -47,6 +49,8 @@ logger = logging.getLogger(__name__)
 
 _A2F_TAG = 1
 _F2A_TAG = 2
+_TOPK_IDS_TAG = 3
+_TOPK_WEIGHTS_TAG = 4
 
 
 @dataclass(frozen=True)
@@ -114,14 +118,25 @@ class AttentionChannel:
         self._pg.recv([out], 0, _F2A_TAG).wait()
         return out
 
-    def exchange(self, hidden: torch.Tensor) -> torch.Tensor:
+    def exchange(
+        self, hidden: torch.Tensor, topk: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor:
         """A2F then F2A for one layer: returns the FFN output, shape and dtype of `hidden`.
 
-        The F2A receive is posted before the A2F send, so the FFN never waits on us.
+        Args:
+            hidden: `[T, H]` model dtype.
+            topk: with `gate_on_attention`, the routing of `hidden`: ids `[T, k]`
+                int64 and weights `[T, k]` float32, sent after it.
+
+        The F2A receive is posted before the A2F sends, so the FFN never waits on us.
         """
         out = torch.empty_like(hidden)
         recv = self._pg.recv([out], 0, _F2A_TAG)
         self._pg.send([hidden.contiguous()], 0, _A2F_TAG).wait()
+        if topk is not None:
+            ids, weights = topk
+            self._pg.send([ids.contiguous()], 0, _TOPK_IDS_TAG).wait()
+            self._pg.send([weights.contiguous()], 0, _TOPK_WEIGHTS_TAG).wait()
         recv.wait()
         return out
 
@@ -198,6 +213,12 @@ class FFNChannel:
         """Receive `[T, H]` from `peer` into `out` and return it."""
         self._pairs[peer].recv([out], 1, _A2F_TAG).wait()
         return out
+
+    def recv_topk(self, peer: int, ids: torch.Tensor, weights: torch.Tensor) -> None:
+        """With `gate_on_attention`: receive the routing of the rows of the last
+        `recv_a2f` from `peer`, ids `[T, k]` int64 and weights `[T, k]` float32."""
+        self._pairs[peer].recv([ids], 1, _TOPK_IDS_TAG).wait()
+        self._pairs[peer].recv([weights], 1, _TOPK_WEIGHTS_TAG).wait()
 
     def send_f2a(self, peer: int, out: torch.Tensor) -> None:
         """Send the FFN output `[T, H]` back to `peer`."""

@@ -27,7 +27,12 @@ them in float32 too: `_keep_in_fp32_modules_strict`)."""
 
 
 class FFNStack(nn.Module):
-    """Every decoder layer's FFN block (`layers[i]` maps `[T, H] -> [T, H]`).
+    """The FFN blocks the FFN role serves, in decoder order: `layers[i]` maps
+    `[T, H] -> [T, H]` for decoder layer `layer_ids[i]`.
+
+    With `gate_on_ffn` that is every decoder layer (`layer_ids[i] == i`). With
+    `gate_on_attention` it is the MoE layers only, without their gate: the dense
+    MLPs and the gates stay on the attention role.
 
     Args:
         config: the checkpoint's transformers config (`model_type` one of
@@ -35,24 +40,37 @@ class FFNStack(nn.Module):
         dtype: model dtype of the parameters; None = torch's default dtype.
         ep_rank, ep_size: this rank's place in the EP group; MoE layers hold only
             the routed experts `placement.owned_experts(E, ep_size, ep_rank)`.
+        gate_on_attention: the gate placement (DESIGN §2).
 
     Raises:
-        ValueError: unsupported architecture or routing settings, or a bad EP rank.
+        ValueError: unsupported architecture or routing settings, a bad EP rank, or
+            `gate_on_attention` for a model without MoE layers.
     """
 
     def __init__(
-        self, config: PretrainedConfig, dtype: torch.dtype | None = None, ep_rank: int = 0, ep_size: int = 1
+        self,
+        config: PretrainedConfig,
+        dtype: torch.dtype | None = None,
+        ep_rank: int = 0,
+        ep_size: int = 1,
+        gate_on_attention: bool = False,
     ) -> None:
         super().__init__()
         layout = ffn_layout(config)
+        if gate_on_attention and not layout.moe_layers:
+            raise ValueError("gate_placement: gate_on_attention needs an MoE model; this one is dense")
         dtype = dtype or torch.get_default_dtype()
         self.hidden_size = layout.hidden_size
+        self.moe_layers = layout.moe_layers
+        self.gate_on_attention = gate_on_attention
+        self.layer_ids = sorted(layout.moe_layers) if gate_on_attention else list(range(layout.num_layers))
         dense = (layout.hidden_size, layout.intermediate_size, layout.hidden_act, layout.mlp_bias, dtype)
         layers: list[nn.Module] = []
-        for i in range(layout.num_layers):
+        for i in self.layer_ids:
             if i in layout.moe_layers:
                 owned = owned_experts(layout.moe.routing.num_experts, ep_size, ep_rank)
-                layers.append(MoE(layout.moe, owned, layout.hidden_size, layout.hidden_act, layout.mlp_bias, dtype))
+                moe = (layout.moe, owned, layout.hidden_size, layout.hidden_act, layout.mlp_bias, dtype)
+                layers.append(MoE(*moe, with_gate=not gate_on_attention))
             else:
                 layers.append(GatedMLP(*dense))
         self.layers = nn.ModuleList(layers)
@@ -62,7 +80,8 @@ class FFNStack(nn.Module):
         return len(self.layers)
 
     def forward(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
-        """FFN of decoder layer `layer`: hidden `[T, H]` -> `[T, H]`, same dtype.
+        """FFN block `layers[layer]` (decoder layer `layer_ids[layer]`): hidden `[T, H]`
+        -> `[T, H]`, same dtype.
 
         Raises:
             RuntimeError: `layer` is an MoE layer and this stack holds an EP shard
@@ -73,11 +92,20 @@ class FFNStack(nn.Module):
     def checkpoint_tensors(self) -> dict[tuple[int, str], torch.Tensor]:
         """Destination tensor of each checkpoint tensor this stack loads, keyed by
         `(layer, name within the FFN block)` (`afd_ray.weights.ffn_block_name`)."""
-        return {(i, name): t for i, block in enumerate(self.layers) for name, t in block.checkpoint_tensors().items()}
+        return {
+            (layer, name): t
+            for layer, block in zip(self.layer_ids, self.layers, strict=True)
+            for name, t in block.checkpoint_tensors().items()
+        }
 
 
 def load_ffn_stack(
-    checkpoint: Path, dtype: torch.dtype, device: torch.device, ep_rank: int = 0, ep_size: int = 1
+    checkpoint: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    ep_rank: int = 0,
+    ep_size: int = 1,
+    gate_on_attention: bool = False,
 ) -> FFNStack:
     """Build the FFN stack of `checkpoint` with only FFN-role tensors loaded.
 
@@ -93,13 +121,14 @@ def load_ffn_stack(
     """
     config = AutoConfig.from_pretrained(checkpoint)
     with torch.device("meta"):
-        stack = FFNStack(config, dtype, ep_rank, ep_size)
+        stack = FFNStack(config, dtype, ep_rank, ep_size, gate_on_attention)
     stack.to_empty(device=device)
     targets = stack.checkpoint_tensors()
     owned = {e for block in stack.layers if isinstance(block, MoE) for e in block.experts.owned}
     unexpected = []
     with torch.no_grad():
-        for layer, name, tensor in ffn_layer_params(checkpoint, stack.num_layers, owned):
+        params = ffn_layer_params(checkpoint, config.num_hidden_layers, owned, gate_on_attention, stack.moe_layers)
+        for layer, name, tensor in params:
             target = targets.pop((layer, name), None)
             if target is None or target.shape != tensor.shape:
                 unexpected.append(f"layers.{layer}.mlp.{name} {list(tensor.shape)}")

@@ -26,10 +26,19 @@ class MoE(nn.Module):
     """
 
     def __init__(
-        self, shape: MoEShape, owned: range, hidden_size: int, hidden_act: str, bias: bool, dtype: torch.dtype
+        self,
+        shape: MoEShape,
+        owned: range,
+        hidden_size: int,
+        hidden_act: str,
+        bias: bool,
+        dtype: torch.dtype,
+        with_gate: bool = True,
     ) -> None:
         super().__init__()
-        self.gate = Router(shape.routing, hidden_size, dtype)
+        self.spec = shape.routing
+        # gate_on_attention: the attention role routes and sends ids and weights.
+        self.gate = Router(shape.routing, hidden_size, dtype) if with_gate else None
         self.experts = Experts(owned, hidden_size, shape.intermediate_size, hidden_act, dtype)
         self.shared_experts = (
             GatedMLP(hidden_size, shape.shared_intermediate_size, hidden_act, bias, dtype)
@@ -38,7 +47,13 @@ class MoE(nn.Module):
         )
 
     def route(self, hidden: torch.Tensor) -> Routing:
-        """Top-k experts of hidden `[T, H]`: ids `[T, k]` int64, weights `[T, k]` float32."""
+        """Top-k experts of hidden `[T, H]`: ids `[T, k]` int64, weights `[T, k]` float32.
+
+        Raises:
+            RuntimeError: built without a gate (`gate_on_attention`).
+        """
+        if self.gate is None:
+            raise RuntimeError("this MoE has no gate: with gate_on_attention the routing comes with the rows")
         return self.gate(hidden)
 
     def shared(self, hidden: torch.Tensor) -> torch.Tensor | None:
@@ -56,7 +71,7 @@ class MoE(nn.Module):
         Raises:
             RuntimeError: this module holds only an EP shard of the experts.
         """
-        num_experts = self.gate.spec.num_experts
+        num_experts = self.spec.num_experts
         if len(self.experts.owned) != num_experts:
             raise RuntimeError(
                 f"MoE.forward needs all {num_experts} experts; this EP shard owns {self.experts.owned}"
@@ -75,7 +90,9 @@ class MoE(nn.Module):
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """Destination tensor of each FFN block name (gate, owned experts, shared
         experts)."""
-        tensors = {f"gate.{name}": t for name, t in self.gate.state_dict(keep_vars=True).items()}
+        tensors = {}
+        if self.gate is not None:
+            tensors.update({f"gate.{name}": t for name, t in self.gate.state_dict(keep_vars=True).items()})
         tensors.update(self.experts.checkpoint_tensors())
         if self.shared_experts is not None:
             tensors.update({f"shared_experts.{n}": t for n, t in self.shared_experts.checkpoint_tensors().items()})

@@ -21,6 +21,7 @@ from afd_ray.connector.header import HeaderKind, StepHeader
 from afd_ray.ffn.ep import EPGroup
 from afd_ray.ffn.model import FFNStack
 from afd_ray.ffn.moe import MoE
+from afd_ray.ffn.routing import Routing
 
 __all__ = ["FFNRuntime", "FFNStats"]
 
@@ -41,7 +42,8 @@ class FFNStats:
     busy_s: float = 0.0
     """Wall time spent inside steps (receive + compute + send), seconds."""
     a2f_bytes: int = 0
-    """Bytes received from attention peers (hidden states), summed over layers."""
+    """Bytes received from attention peers (hidden states, and top-k ids and weights
+    with `gate_on_attention`), summed over layers."""
     f2a_bytes: int = 0
     """Bytes sent back to attention peers (FFN outputs), summed over layers."""
 
@@ -96,7 +98,7 @@ class FFNRuntime:
         self._device = next(model.parameters()).device
         self._stop = threading.Event()
         moe = [block for block in model.layers if isinstance(block, MoE)]
-        num_experts = moe[0].gate.spec.num_experts if moe else 0
+        num_experts = moe[0].spec.num_experts if moe else 0
         self.expert_tokens = torch.zeros(num_experts, dtype=torch.int64, device=self._device)
         """Rows this rank's tokens routed to each expert `[E]` int64, summed over MoE
         layers and steps (expert load; updated in place, on the model's device)."""
@@ -143,6 +145,15 @@ class FFNRuntime:
                 membership.append(header)
         return [steps[peer] for peer in sorted(steps)], membership
 
+    def _topk_buffers(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Receive buffers for the routing sent with `gate_on_attention`: ids `[N, k]`
+        int64 and weights `[N, k]` float32."""
+        top_k = next(block for block in self.model.layers if isinstance(block, MoE)).spec.top_k
+        return (
+            torch.empty(num_tokens, top_k, dtype=torch.int64, device=self._device),
+            torch.empty(num_tokens, top_k, dtype=torch.float32, device=self._device),
+        )
+
     def _apply(self, header: StepHeader) -> None:
         if header.kind is HeaderKind.JOIN:
             self.channel.admit(header.peer)
@@ -157,12 +168,16 @@ class FFNRuntime:
         sizes = [step.num_tokens for step in steps]
         hidden = torch.empty(sum(sizes), self.model.hidden_size, dtype=self._dtype, device=self._device)
         rows = hidden.split(sizes)  # per peer: a view [T_i, H] into hidden [ΣT_i, H]
+        topk = self._topk_buffers(sum(sizes)) if self.model.gate_on_attention else None
         for layer in range(self.model.num_layers):
-            for step, peer_rows in zip(steps, rows):
+            for i, (step, peer_rows) in enumerate(zip(steps, rows)):
                 self.channel.recv_a2f(step.peer, peer_rows)
+                if topk is not None:
+                    ids, weights = (t.split(sizes)[i] for t in topk)  # [T_i, k] views
+                    self.channel.recv_topk(step.peer, ids, weights)
             block = self.model.layers[layer]
             if isinstance(block, MoE):
-                routing = block.route(hidden)  # ids, weights: [ΣT_i, k]
+                routing = block.route(hidden) if topk is None else Routing(*topk)  # ids, weights: [ΣT_i, k]
                 self.expert_tokens += torch.bincount(routing.ids.flatten(), minlength=len(self.expert_tokens))
                 out = block(hidden, routing) if self.ep is None else self.ep.moe(block, hidden, routing)
             else:
@@ -170,6 +185,7 @@ class FFNRuntime:
             for step, peer_out in zip(steps, out.split(sizes)):
                 self.channel.send_f2a(step.peer, peer_out)
         layer_bytes = hidden.numel() * hidden.element_size()  # [ΣT_i, H] one way, one layer
+        topk_bytes = sum(t.numel() * t.element_size() for t in topk) if topk is not None else 0
         stats = self.stats
         self.stats = replace(
             stats,
@@ -177,6 +193,6 @@ class FFNRuntime:
             layers=stats.layers + self.model.num_layers,
             tokens=stats.tokens + sum(sizes),
             busy_s=stats.busy_s + time.perf_counter() - start,
-            a2f_bytes=stats.a2f_bytes + layer_bytes * self.model.num_layers,
+            a2f_bytes=stats.a2f_bytes + (layer_bytes + topk_bytes) * self.model.num_layers,
             f2a_bytes=stats.f2a_bytes + layer_bytes * self.model.num_layers,
         )

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from ray.serve.handle import DeploymentHandle
 
-from afd_ray.config import ConnectorConfig, FFNPoolConfig, ModelConfig, Platform
+from afd_ray.config import ConnectorConfig, FFNPoolConfig, GatePlacement, ModelConfig, Platform
 from afd_ray.connector.channel import FFNChannel
 from afd_ray.connector.process_group import new_process_group
 from afd_ray.control.membership import EPAssignment
@@ -54,6 +54,7 @@ class FFNServer:
         model: ModelConfig,
         ffn: FFNPoolConfig,
         connector: ConnectorConfig,
+        gate_placement: GatePlacement,
         coordinator: DeploymentHandle,
     ) -> None:
         """Open the connector, register with the coordinator, load this rank's FFN-role
@@ -71,12 +72,15 @@ class FFNServer:
         self._coordinator = coordinator
         self.rank = await coordinator.register_ffn.remote(channel.address)
         assignment = await coordinator.ep_assignment.remote(self.rank, connector.timeout_s)
-        stack = load_ffn_stack(resolve_checkpoint(model), dtype, device, assignment.ep_rank, assignment.ep_size)
+        stack = load_ffn_stack(
+            resolve_checkpoint(model), dtype, device, assignment.ep_rank, assignment.ep_size,
+            gate_on_attention=gate_placement == "gate_on_attention",
+        )
         moe = [block for block in stack.layers if isinstance(block, MoE)]
         ep = None
         if assignment.ep_size > 1 and moe:
             group = await asyncio.to_thread(_ep_process_group, assignment)
-            ep = EPGroup(group, moe[0].gate.spec.num_experts, device)
+            ep = EPGroup(group, moe[0].spec.num_experts, device)
         poll_s = ffn.ep_idle_check_us / 1e6 if ep is not None else _STOP_POLL_S
         self._runtime = FFNRuntime(stack, channel, dtype, poll_s, connector.batch_window_us / 1e6, ep)
         self._loop = threading.Thread(target=self._runtime.run, name=f"afd-ffn-{self.rank}", daemon=True)

@@ -43,7 +43,7 @@ def build_app(args: dict[str, object]) -> Application:
         ray_actor_options=dict(actor_resources(cfg.platform, cfg.ffn.bundle_resources)),
         placement_group_bundles=[{key: cfg.ffn.bundle_resources}],
         placement_group_strategy="STRICT_PACK",
-    ).bind(cfg.platform, cfg.model, cfg.ffn, cfg.connector, coordinator)
+    ).bind(cfg.platform, cfg.model, cfg.ffn, cfg.connector, cfg.gate_placement, coordinator)
     attention = serve.deployment(AttentionServer).options(
         name="attention",
         num_replicas=cfg.attention.num_ranks,
@@ -51,7 +51,7 @@ def build_app(args: dict[str, object]) -> Application:
         ray_actor_options=dict(actor_resources(cfg.platform, cfg.attention.bundle_resources)),
         placement_group_bundles=[{key: cfg.attention.bundle_resources}],
         placement_group_strategy="STRICT_PACK",
-    ).bind(cfg.model, cfg.attention, cfg.connector, coordinator)
+    ).bind(cfg.model, cfg.attention, cfg.connector, cfg.gate_placement, coordinator)
     ingress = serve.deployment(Ingress).options(
         name="ingress",
         max_ongoing_requests=cfg.ingress.max_ongoing_requests,

@@ -55,6 +55,8 @@ class TransformersFFN(nn.Module):
     """The FFN stack `FFNRuntime` drives (`layers[i]`, `num_layers`, `hidden_size`,
     `forward(layer, hidden)`), made of transformers' own per-layer blocks."""
 
+    gate_on_attention = False  # the FFN routes (gate_on_ffn)
+
     def __init__(self, checkpoint: Path) -> None:
         super().__init__()
         model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)

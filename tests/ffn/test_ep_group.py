@@ -37,7 +37,7 @@ def _run_ep(checkpoint: Path, tokens: list[int]) -> tuple[list[list[torch.Tensor
             moe = [block for block in stack.layers if isinstance(block, MoE)]
             client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=30))
             group = new_process_group("gloo", dist.PrefixStore("ep", client), r, size, 30)
-            ep = EPGroup(group, moe[0].gate.spec.num_experts, CPU)
+            ep = EPGroup(group, moe[0].spec.num_experts, CPU)
             assert ep.agree(tokens[r]) == sum(tokens)
             generator = torch.Generator().manual_seed(r)
             with torch.inference_mode():

@@ -2,9 +2,10 @@
 
 Tiny random Qwen3-MoE and DeepSeek-V3 checkpoints (float32) are served with A
 attention ranks and F FFN ranks (EP=F); greedy tokens must equal plain vLLM's on the
-same checkpoint. 3A:2F covers fan-in (an FFN rank with two attention peers), a
-non-integer ratio and EP2; 1A:2F covers A < F (an FFN rank with no attention peer
-still takes part in every step's all-to-alls).
+same checkpoint, under both gate placements. 3A:2F covers fan-in (an FFN rank with
+two attention peers), a non-integer ratio and EP2; 1A:2F covers A < F (an FFN rank
+with no attention peer still takes part in every step's all-to-alls); 2A:2F and 2A:1F
+run `gate_on_attention` (routing and dense layers on the attention ranks).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ PROMPTS = [
     "class Node:",
     "In the beginning",
 ]
+LAYERS = {"qwen3_moe": 2, "deepseek_v3": 3}
 LENGTHS = [4, 24, 9, 16, 31, 12]  # completion tokens per prompt: steps of different lengths
 
 
@@ -71,8 +73,9 @@ def http(serve_url: str) -> Iterator[httpx.Client]:
         yield client
 
 
-def _args(checkpoint: Path, attention: int, ffn: int) -> dict[str, object]:
+def _args(checkpoint: Path, attention: int, ffn: int, gate: str) -> dict[str, object]:
     return {
+        "gate_placement": gate,
         "model": {"source": str(checkpoint), "served_name": "tiny", "max_model_len": 512},
         "attention": {"num_ranks": attention, "kv_cache_gib": 0.25, "max_num_seqs": 8, "bundle_resources": 0.5},
         "ffn": {"num_ranks": ffn, "bundle_resources": 0.5},
@@ -80,13 +83,17 @@ def _args(checkpoint: Path, attention: int, ffn: int) -> dict[str, object]:
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
-@pytest.mark.parametrize(("attention", "ffn"), [(3, 2), (1, 2)], ids=["3A2F", "1A2F"])
+@pytest.mark.parametrize(
+    ("attention", "ffn", "gate"),
+    [(3, 2, "gate_on_ffn"), (1, 2, "gate_on_ffn"), (2, 2, "gate_on_attention"), (2, 1, "gate_on_attention")],
+    ids=["3A2F-gate_on_ffn", "1A2F-gate_on_ffn", "2A2F-gate_on_attention", "2A1F-gate_on_attention"],
+)
 def test_greedy_tokens_equal_plain_vllm_across_topologies(
-    http: httpx.Client, checkpoints: dict, family: str, attention: int, ffn: int
+    http: httpx.Client, checkpoints: dict, family: str, attention: int, ffn: int, gate: str
 ) -> None:
     checkpoint, expected = checkpoints[family]
-    name = f"{family}-{attention}a{ffn}f"
-    serve.run(build_app(_args(checkpoint, attention, ffn)), name=name, route_prefix=f"/{name}")
+    name = f"{family}-{attention}a{ffn}f-{gate.replace('_', '-')}"
+    serve.run(build_app(_args(checkpoint, attention, ffn, gate)), name=name, route_prefix=f"/{name}")
     try:
         status = http.get(f"/{name}/afd/status").json()
         peers = sorted(member["ffn_peer"] for member in status["attention"])
@@ -111,5 +118,8 @@ def test_greedy_tokens_equal_plain_vllm_across_topologies(
         for member in status["ffn"]:  # expert load: top-2 experts in each of 2 MoE layers
             assert len(member["expert_tokens"]) == 8
             assert sum(member["expert_tokens"]) == member["tokens"] * 2 * 2
+            # gate_on_attention: only the 2 MoE layers cross (DeepSeek's dense layer 0 stays)
+            moe_only = gate == "gate_on_attention" and family == "deepseek_v3"
+            assert member["layers"] == member["steps"] * (2 if moe_only else LAYERS[family])
     finally:
         serve.delete(name)

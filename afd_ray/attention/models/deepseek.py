@@ -45,8 +45,7 @@ from vllm.model_executor.models.utils import (
 )
 from vllm.sequence import IntermediateTensors
 
-from afd_ray.attention.ffn_op import remote_ffn
-from afd_ray.attention.models.base import AFDCausalLM
+from afd_ray.attention.models.base import AFDCausalLM, AFDDecoderLayer
 
 __all__ = ["AFDDeepseekV2ForCausalLM", "AFDDeepseekV3ForCausalLM"]
 
@@ -58,7 +57,7 @@ _STACKED = (
 )
 
 
-class AFDDeepseekV2DecoderLayer(nn.Module):
+class AFDDeepseekV2DecoderLayer(AFDDecoderLayer):
     """vLLM's DeepSeek-V2/V3 decoder layer with the MoE/MLP replaced by the remote FFN hook."""
 
     def __init__(self, vllm_config: VllmConfig, prefix: str) -> None:
@@ -84,6 +83,7 @@ class AFDDeepseekV2DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.routed_scaling_factor: float = getattr(config, "routed_scaling_factor", 1.0)
+        self._build_ffn_half(vllm_config)
 
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
@@ -103,7 +103,7 @@ class AFDDeepseekV2DecoderLayer(nn.Module):
             if self.layer_idx == 0:
                 residual *= 1.0 / self.routed_scaling_factor
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        out = remote_ffn(hidden_states, self.layer_idx)  # [T, H]
+        out = self._ffn(hidden_states)  # [T, H]
         if fp16:
             # The FFN returns the true block output; vLLM's FP16 path (DeepseekV2MoE,
             # DeepseekV2MLP) returns it divided by the factor, to match the residual.
@@ -180,7 +180,9 @@ class AFDDeepseekV2Model(nn.Module):
         The caller has already dropped FFN-role tensors. Multi-token-prediction layers
         (`layers.{num_hidden_layers + i}`) belong to the draft model and are skipped.
         """
-        params = dict(self.named_parameters())
+        # Buffers too: with gate_on_attention, DeepSeek-V3's router keeps its
+        # `e_score_correction_bias` as a buffer.
+        params = dict(self.named_parameters()) | dict(self.named_buffers())
         loaded: set[str] = set()
         for name, weight in weights:
             if "rotary_emb.inv_freq" in name:

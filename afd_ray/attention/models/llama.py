@@ -42,6 +42,7 @@ class AFDLlamaDecoderLayer(AFDDecoderLayer):
         )
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self._build_ffn_half(vllm_config)
 
 
 class AFDLlamaForCausalLM(LlamaForCausalLM):
@@ -54,4 +55,4 @@ class AFDLlamaForCausalLM(LlamaForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load attention-role tensors only; FFN-role tensors are skipped unread."""
-        return super().load_weights(attention_weights(weights))
+        return super().load_weights(attention_weights(weights, self.config))

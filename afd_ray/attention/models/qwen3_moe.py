@@ -51,6 +51,7 @@ class AFDQwen3MoeDecoderLayer(AFDDecoderLayer):
         )
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self._build_ffn_half(vllm_config)
 
 
 class AFDQwen3MoeForCausalLM(AFDCausalLM, SupportsPP):
