@@ -2,10 +2,11 @@
 
 Tiny random Qwen3-MoE and DeepSeek-V3 checkpoints (float32) are served with A
 attention ranks and F FFN ranks (EP=F); greedy tokens must equal plain vLLM's on the
-same checkpoint, under both gate placements. 3A:2F covers fan-in (an FFN rank with
-two attention peers), a non-integer ratio and EP2; 1A:2F covers A < F (an FFN rank
-with no attention peer still takes part in every step's all-to-alls); 2A:2F and 2A:1F
-run `gate_on_attention` (routing and dense layers on the attention ranks).
+same checkpoint, for 1A:1F, 2A:1F, 1A:2F, 2A:2F and 3A:2F under both gate placements
+(`MATRIX`). 3A:2F covers fan-in (an FFN rank with two attention peers), a
+non-integer ratio and EP2; 1A:2F covers A < F (an FFN rank with no attention peer
+still takes part in every step's all-to-alls); `gate_on_attention` runs routing and
+the dense layers on the attention ranks.
 """
 
 from __future__ import annotations
@@ -82,11 +83,24 @@ def _args(checkpoint: Path, attention: int, ffn: int, gate: str) -> dict[str, ob
     }
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+# Every topology of the issue under both gate placements, each pair once: each family
+# runs all five topologies and both placements, the two families complement each other.
+MATRIX = [
+    ("qwen3_moe", 1, 1, "gate_on_ffn"),
+    ("qwen3_moe", 2, 1, "gate_on_attention"),
+    ("qwen3_moe", 1, 2, "gate_on_ffn"),
+    ("qwen3_moe", 2, 2, "gate_on_attention"),
+    ("qwen3_moe", 3, 2, "gate_on_ffn"),
+    ("deepseek_v3", 1, 1, "gate_on_attention"),
+    ("deepseek_v3", 2, 1, "gate_on_ffn"),
+    ("deepseek_v3", 1, 2, "gate_on_attention"),
+    ("deepseek_v3", 2, 2, "gate_on_ffn"),
+    ("deepseek_v3", 3, 2, "gate_on_attention"),
+]
+
+
 @pytest.mark.parametrize(
-    ("attention", "ffn", "gate"),
-    [(3, 2, "gate_on_ffn"), (1, 2, "gate_on_ffn"), (2, 2, "gate_on_attention"), (2, 1, "gate_on_attention")],
-    ids=["3A2F-gate_on_ffn", "1A2F-gate_on_ffn", "2A2F-gate_on_attention", "2A1F-gate_on_attention"],
+    ("family", "attention", "ffn", "gate"), MATRIX, ids=[f"{f}-{a}A{n}F-{g}" for f, a, n, g in MATRIX]
 )
 def test_greedy_tokens_equal_plain_vllm_across_topologies(
     http: httpx.Client, checkpoints: dict, family: str, attention: int, ffn: int, gate: str
