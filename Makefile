@@ -30,7 +30,8 @@ models: install
 	$(VENV)/bin/afd-ray models prepare smollm2
 	$(VENV)/bin/afd-ray models prepare smollm2-moe
 
-serve: models
+serve: install
+	$(VENV)/bin/afd-ray models prepare smollm2
 	$(VENV)/bin/serve run deployments/afd.yaml
 
 test: models

@@ -15,6 +15,7 @@ from http import HTTPStatus
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
@@ -51,6 +52,19 @@ async def _invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse
         type="BadRequestError",
         param=param,
         code=HTTPStatus.BAD_REQUEST,
+    )
+    return _error_response(ErrorResponse(error=error))
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """FastAPI's own HTTP errors (a body it cannot even parse, e.g. invalid UTF-8; an
+    unknown route; a wrong method) in the OpenAI error shape, same status."""
+    error = ErrorInfo(
+        message=str(exc.detail),
+        type="BadRequestError" if exc.status_code == HTTPStatus.BAD_REQUEST else HTTPStatus(exc.status_code).phrase,
+        param="body" if exc.status_code == HTTPStatus.BAD_REQUEST else None,
+        code=exc.status_code,
     )
     return _error_response(ErrorResponse(error=error))
 

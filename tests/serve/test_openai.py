@@ -106,6 +106,7 @@ def _too_long_prompt() -> str:
     ("path", "content", "status", "param"),
     [
         ("/v1/chat/completions", b'{"model": "smollm2", "messages": [', 400, "body"),
+        ("/v1/chat/completions", b'{"model": "smollm2\xff\xfe"}', 400, "body"),
         ("/v1/chat/completions", json.dumps(_chat(model="gpt-17")), 404, "model"),
         ("/v1/chat/completions", json.dumps(_chat(model="gpt-17", stream=True)), 404, "model"),
         ("/v1/chat/completions", json.dumps(_chat(max_tokens=-1)), 400, "max_tokens"),
@@ -126,6 +127,7 @@ def _too_long_prompt() -> str:
     ],
     ids=[
         "malformed-json",
+        "invalid-utf8-body",
         "unknown-model",
         "unknown-model-stream",
         "negative-max-tokens-chat",
