@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 
 from ray.serve.handle import DeploymentHandle
+from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.entrypoints.openai.chat_completion.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -86,12 +88,13 @@ class AttentionServer:
         os.environ.update(engine_env(attention))
         os.environ[ASSIGNMENT_ENV] = assignment.model_dump_json()
         checkpoint = resolve_checkpoint(model)
-        self._engine = AsyncLLM.from_engine_args(
-            engine_args(model, attention, checkpoint, gate_placement),
-            usage_context=UsageContext.OPENAI_API_SERVER,
-        )
+        self._start(engine_args(model, attention, checkpoint, gate_placement), model.name, checkpoint)
+
+    def _start(self, args: AsyncEngineArgs, served_name: str, checkpoint: Path) -> None:
+        """Start the engine from `args` and vLLM's OpenAI serving layer on it."""
+        self._engine = AsyncLLM.from_engine_args(args, usage_context=UsageContext.OPENAI_API_SERVER)
         self._models = OpenAIServingModels(
-            self._engine, [BaseModelPath(name=model.name, model_path=str(checkpoint))]
+            self._engine, [BaseModelPath(name=served_name, model_path=str(checkpoint))]
         )
         renderer = OnlineRenderer(
             self._engine.model_config,

@@ -19,13 +19,6 @@ import os
 
 from ray import serve
 from ray.serve import Application
-from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
-from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
-from vllm.entrypoints.openai.models.protocol import BaseModelPath
-from vllm.entrypoints.openai.models.serving import OpenAIServingModels
-from vllm.renderers.online_renderer import OnlineRenderer
-from vllm.usage.usage_lib import UsageContext
-from vllm.v1.engine.async_llm import AsyncLLM
 
 from afd_ray.attention.engine import engine_args, engine_env
 from afd_ray.attention.server import AttentionServer
@@ -58,30 +51,7 @@ class PlainServer(AttentionServer):
         args = dataclasses.replace(
             engine_args(model, attention, checkpoint, "gate_on_ffn"), hf_overrides={}, worker_extension_cls=""
         )
-        self._engine = AsyncLLM.from_engine_args(args, usage_context=UsageContext.OPENAI_API_SERVER)
-        self._models = OpenAIServingModels(
-            self._engine, [BaseModelPath(name=model.name, model_path=str(checkpoint))]
-        )
-        renderer = OnlineRenderer(
-            self._engine.model_config,
-            self._engine.renderer,
-            request_logger=None,
-            chat_template=None,
-            chat_template_content_format="auto",
-        )
-        renderer.warmup()
-        self._chat = OpenAIServingChat(
-            self._engine,
-            self._models,
-            "assistant",
-            online_renderer=renderer,
-            request_logger=None,
-            chat_template=None,
-            chat_template_content_format="auto",
-        )
-        self._completion = OpenAIServingCompletion(
-            self._engine, self._models, online_renderer=renderer, request_logger=None
-        )
+        self._start(args, model.name, checkpoint)
 
     async def status(self) -> AFDStatus:
         """`/afd/status` of a plain engine: no attention or FFN pool."""
