@@ -2,6 +2,8 @@
 
     afd-ray models prepare {smollm2,smollm2-moe} [--cache DIR]  # prints the checkpoint folder
     afd-ray models tiny FAMILY OUT_DIR [--seed N]      # prints OUT_DIR
+    afd-ray autoscale simulate --policy P.yaml (--trace T.jsonl | --ramp) [--plot OUT.png]
+    afd-ray autoscale record --url URL --out T.jsonl [--interval-s S] [--duration-s S]
 
 Each command group is one `_add_<group>(subparsers)` function that registers its
 subcommands, each with a `handler(args)`; add a group (e.g. `scale`, `autoscale
@@ -59,7 +61,126 @@ def _add_models(subparsers: argparse._SubParsersAction) -> None:
     tiny.set_defaults(handler=_models_tiny)
 
 
-_GROUPS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_models,)
+def _autoscale_simulate(args: argparse.Namespace) -> None:
+    from afd_ray.autoscale.policy import load_policy
+    from afd_ray.autoscale.simulate import (
+        RampWorkload,
+        changes,
+        plot,
+        replay,
+        simulate_ramp,
+    )
+    from afd_ray.autoscale.trace import read_trace
+
+    policy = load_policy(args.policy)
+    if args.trace is not None:
+        steps, title = (
+            replay(read_trace(args.trace), policy),
+            f"{args.policy} on {args.trace}",
+        )
+    else:
+        workload = RampWorkload(peak_rps=args.peak_rps, duration_s=args.duration_s)
+        steps, title = (
+            simulate_ramp(workload, policy),
+            f"{args.policy} on a ramp to {args.peak_rps} req/s",
+        )
+    t0 = steps[0].snapshot.time_s
+    for step in steps if args.all else changes(steps):
+        decision = step.decision
+        print(
+            f"t={step.snapshot.time_s - t0:7.1f}s A={decision.attention_target} F={decision.ffn_target}  {decision.reason}"
+        )
+    last = steps[-1].decision
+    print(
+        f"{len(steps)} evaluations, {len(changes(steps))} changes; final A={last.attention_target} F={last.ffn_target}"
+    )
+    plot(steps, args.plot, title)
+    print(args.plot)
+
+
+def _autoscale_record(args: argparse.Namespace) -> None:
+    from afd_ray.autoscale.trace import record
+
+    lines = record(args.url, args.out, args.interval_s, args.duration_s)
+    print(f"{lines} snapshots -> {args.out}")
+
+
+def _add_autoscale(subparsers: argparse._SubParsersAction) -> None:
+    autoscale = subparsers.add_parser(
+        "autoscale", help="tune the A:F autoscaling policy offline"
+    )
+    sub = autoscale.add_subparsers(dest="action", required=True, metavar="ACTION")
+
+    simulate = sub.add_parser(
+        "simulate",
+        help="run a policy over a recorded trace or a synthetic load ramp; print decisions, plot a PNG",
+    )
+    simulate.add_argument(
+        "--policy",
+        type=Path,
+        required=True,
+        help="policy YAML (e.g. deployments/autoscale.yaml)",
+    )
+    source = simulate.add_mutually_exclusive_group(required=True)
+    source.add_argument(
+        "--trace",
+        type=Path,
+        help="metrics trace (JSON lines) from `afd-ray autoscale record`",
+    )
+    source.add_argument(
+        "--ramp",
+        action="store_true",
+        help="a synthetic request-rate ramp up and back down",
+    )
+    simulate.add_argument(
+        "--peak-rps",
+        type=float,
+        default=1.5,
+        help="ramp peak, requests/s (default: 1.5)",
+    )
+    simulate.add_argument(
+        "--duration-s", type=float, default=900.0, help="ramp length, s (default: 900)"
+    )
+    simulate.add_argument(
+        "--plot",
+        type=Path,
+        default=Path("autoscale.png"),
+        help="PNG to write (default: autoscale.png)",
+    )
+    simulate.add_argument(
+        "--all",
+        action="store_true",
+        help="print every evaluation, not only target changes",
+    )
+    simulate.set_defaults(handler=_autoscale_simulate)
+
+    record = sub.add_parser(
+        "record", help="record a metrics trace from a live application's /afd/status"
+    )
+    record.add_argument(
+        "--url",
+        default="http://127.0.0.1:8000",
+        help="application URL (default: %(default)s)",
+    )
+    record.add_argument(
+        "--out", type=Path, required=True, help="trace file to write (JSON lines)"
+    )
+    record.add_argument(
+        "--interval-s",
+        type=float,
+        default=1.0,
+        help="seconds between snapshots (default: 1)",
+    )
+    record.add_argument(
+        "--duration-s", type=float, required=True, help="how long to record, s"
+    )
+    record.set_defaults(handler=_autoscale_record)
+
+
+_GROUPS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
+    _add_models,
+    _add_autoscale,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,7 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Returns the exit status (0). Bad usage exits with status 2, and a `ValueError`
     or `OSError` from the command (unknown family, a folder in the way, a missing
-    package) with status 1 and a one-line message on stderr.
+    package, a bad policy field) with status 1 and a one-line message on stderr.
     """
     parser = build_parser()
     args = parser.parse_args(argv)

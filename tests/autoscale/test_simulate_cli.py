@@ -1,0 +1,78 @@
+"""`afd-ray autoscale simulate`: decisions with reasons on stdout and a PNG plot, from
+a synthetic ramp or a recorded trace."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from afd_ray.autoscale.policy import load_policy
+from afd_ray.autoscale.simulate import RampWorkload, simulate_ramp
+from afd_ray.cli import main
+
+POLICY = Path(__file__).parents[2] / "deployments" / "autoscale.yaml"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_simulate_ramp_prints_reasons_and_writes_png(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    png = tmp_path / "ramp.png"
+    assert main(["autoscale", "simulate", "--policy", str(POLICY), "--ramp", "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "attention +1 (1 -> 2): " in out and "attention -1 (2 -> 1): " in out
+    assert "ffn +1 (1 -> 2): " in out and "ffn -1 (2 -> 1): " in out
+    assert "4 changes; final A=1 F=1" in out
+    assert png.read_bytes().startswith(PNG_MAGIC) and png.stat().st_size > 20_000
+
+
+def test_simulate_replays_a_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A trace of snapshots (here from the ramp model) replays open loop: the same
+    decisions as the closed loop made while the ranks followed them."""
+    steps = simulate_ramp(RampWorkload(duration_s=300), load_policy(POLICY))
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(s.snapshot.model_dump_json() + "\n" for s in steps))
+    png = tmp_path / "trace.png"
+    assert (
+        main(["autoscale", "simulate", "--policy", str(POLICY), "--trace", str(trace), "--plot", str(png)])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "t=  128.0s A=1 F=2" in out and "ffn +1 (1 -> 2): tokens_per_ffn_step" in out
+    assert f"{len(steps)} evaluations" in out
+    assert png.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_bad_trace_line_names_line_and_field(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(
+        '{"time_s": 0, "attention_ranks": 1, "ffn_ranks": 1}\n{"time_s": 1, "attention_ranks": 1}\n'
+    )
+    with pytest.raises(SystemExit) as exit_:
+        main(
+            [
+                "autoscale",
+                "simulate",
+                "--policy",
+                str(POLICY),
+                "--trace",
+                str(trace),
+                "--plot",
+                str(tmp_path / "x.png"),
+            ]
+        )
+    assert exit_.value.code == 1
+    assert "trace.jsonl:2: ffn_ranks: Field required" in capsys.readouterr().err
+
+
+def test_bad_policy_exits_1_naming_the_field(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    policy = tmp_path / "p.yaml"
+    policy.write_text("attention:\n  scale_out_cooldown_s: -5\n")
+    with pytest.raises(SystemExit) as exit_:
+        main(["autoscale", "simulate", "--policy", str(policy), "--ramp", "--plot", str(tmp_path / "x.png")])
+    assert exit_.value.code == 1
+    assert (
+        "attention.scale_out_cooldown_s: Input should be greater than or equal to 0"
+        in capsys.readouterr().err
+    )
