@@ -9,6 +9,7 @@ and hands requests through.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from pathlib import Path
@@ -33,12 +34,16 @@ from vllm.v1.engine.async_llm import AsyncLLM
 
 from afd_ray.attention.engine import engine_args, engine_env
 from afd_ray.attention.ffn_client import ASSIGNMENT_ENV
+from afd_ray.autoscale.recorder import AttentionRecorder
 from afd_ray.config import AttentionPoolConfig, ConnectorConfig, GatePlacement, ModelConfig
 from afd_ray.models.embedded import resolve_checkpoint
 
 __all__ = ["AttentionServer", "ChatChunk", "CompletionChunk"]
 
 logger = logging.getLogger(__name__)
+
+_REPORT_PERIOD_S = 1.0
+"""How often an attention rank sends its autoscaling signals to the coordinator."""
 
 ChatChunk = str | ChatCompletionResponse | ErrorResponse
 """An item of `AttentionServer.chat`: an SSE event, or the whole answer."""
@@ -89,10 +94,15 @@ class AttentionServer:
         os.environ[ASSIGNMENT_ENV] = assignment.model_dump_json()
         checkpoint = resolve_checkpoint(model)
         self._start(engine_args(model, attention, checkpoint, gate_placement), model.name, checkpoint)
+        self._reporter = asyncio.create_task(self._report(coordinator))
 
     def _start(self, args: AsyncEngineArgs, served_name: str, checkpoint: Path) -> None:
-        """Start the engine from `args` and vLLM's OpenAI serving layer on it."""
-        self._engine = AsyncLLM.from_engine_args(args, usage_context=UsageContext.OPENAI_API_SERVER)
+        """Start the engine from `args` and vLLM's OpenAI serving layer on it; the
+        engine's stats feed `self._recorder` (autoscaling signals)."""
+        self._recorder = AttentionRecorder()
+        self._engine = AsyncLLM.from_engine_args(
+            args, usage_context=UsageContext.OPENAI_API_SERVER, stat_loggers=[self._recorder.factory]
+        )
         self._models = OpenAIServingModels(
             self._engine, [BaseModelPath(name=served_name, model_path=str(checkpoint))]
         )
@@ -116,6 +126,13 @@ class AttentionServer:
         self._completion = OpenAIServingCompletion(
             self._engine, self._models, online_renderer=renderer, request_logger=None
         )
+
+    async def _report(self, coordinator: DeploymentHandle) -> None:
+        """Send the coordinator this rank's autoscaling signals every `_REPORT_PERIOD_S`."""
+        while True:
+            await asyncio.sleep(_REPORT_PERIOD_S)
+            report = self._recorder.drain(self._engine.get_num_unfinished_requests())
+            await coordinator.report_attention.remote(self.rank, report)
 
     async def chat(self, request: ChatCompletionRequest) -> AsyncGenerator[ChatChunk, None]:
         """Answer `POST /v1/chat/completions`; see the class docstring for the items."""

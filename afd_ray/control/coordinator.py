@@ -7,8 +7,11 @@ report counters; nothing on the data path goes through it.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import asdict
 
+from afd_ray.autoscale.policy import MetricsSnapshot
+from afd_ray.autoscale.signals import AttentionReport, SignalAggregator
 from afd_ray.config import ConnectorConfig, Platform
 from afd_ray.connector.channel import FFNAddress
 from afd_ray.control.membership import (
@@ -40,6 +43,7 @@ class Coordinator:
         self._ffn: dict[int, FFNMember] = {}
         self._attention: dict[int, AttentionMember] = {}
         self._ffn_joined = asyncio.Condition()
+        self._signals = SignalAggregator()
 
     async def register_ffn(self, address: FFNAddress) -> int:
         """Add an FFN rank serving at `address`; returns its rank."""
@@ -64,8 +68,19 @@ class Coordinator:
         )
 
     async def report_ffn(self, rank: int, stats: FFNStats, expert_tokens: list[int]) -> None:
-        """Replace the counters and expert load of FFN rank `rank`."""
+        """Replace the counters and expert load of FFN rank `rank`; feed its counters
+        to the autoscaling signals."""
         self._ffn[rank] = self._ffn[rank].model_copy(update=asdict(stats) | {"expert_tokens": expert_tokens})
+        self._signals.report_ffn(rank, stats, time.time())
+
+    async def report_attention(self, rank: int, report: AttentionReport) -> None:
+        """Add attention rank `rank`'s autoscaling signals since its previous report."""
+        self._signals.report_attention(rank, report, time.time())
+
+    async def metrics(self) -> MetricsSnapshot:
+        """The autoscaling signals of the current members over the last
+        `SignalAggregator.window_s` seconds."""
+        return self._signals.snapshot(time.time(), self._attention, self._ffn)
 
     async def assign_attention(self, wait_s: float) -> AttentionAssignment:
         """A new attention rank id and its FFN peer, once the FFN pool is complete.
@@ -99,4 +114,5 @@ class Coordinator:
             epoch=self._epoch,
             attention=[self._attention[r] for r in sorted(self._attention)],
             ffn=[self._ffn[r] for r in sorted(self._ffn)],
+            metrics=await self.metrics(),
         )

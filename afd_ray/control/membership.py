@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
+from afd_ray.autoscale.policy import MetricsSnapshot
 from afd_ray.connector.channel import FFNAddress
 
 __all__ = ["AFDStatus", "AttentionAssignment", "AttentionMember", "EPAssignment", "FFNMember"]
@@ -75,3 +76,6 @@ class AFDStatus(_Record):
     epoch: int
     attention: list[AttentionMember]
     ffn: list[FFNMember]
+    metrics: MetricsSnapshot | None = None
+    """The autoscaling signals over the coordinator's sliding window (None where no
+    coordinator computed them)."""
