@@ -24,7 +24,7 @@ from afd_ray.autoscale.policy import (
     decide,
 )
 
-__all__ = ["RampWorkload", "Step", "plot", "replay", "simulate_ramp"]
+__all__ = ["RampWorkload", "Step", "changes", "plot", "replay", "simulate_ramp"]
 
 
 @dataclass(frozen=True)
