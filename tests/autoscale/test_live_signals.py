@@ -10,11 +10,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import pytest
 
 from afd_ray.autoscale.policy import MetricsSnapshot
 from afd_ray.autoscale.trace import read_trace
 from afd_ray.cli import main
 
+POLICY = Path(__file__).parents[2] / "deployments" / "autoscale.yaml"
 PROMPTS = ["The capital of France is", "One, two, three,", "Water boils at", "The sky is"]
 
 
@@ -47,7 +49,9 @@ def test_status_metrics_after_requests(client: httpx.Client) -> None:
     assert (metrics.running_requests, metrics.waiting_requests, metrics.kv_cache_usage) == (0, 0, 0)
 
 
-def test_record_writes_a_trace_of_the_live_app(serve_url: str, client: httpx.Client, tmp_path: Path) -> None:
+def test_record_writes_a_trace_of_the_live_app(
+    serve_url: str, client: httpx.Client, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     trace = tmp_path / "trace.jsonl"
     args = [
         "autoscale",
@@ -67,3 +71,11 @@ def test_record_writes_a_trace_of_the_live_app(serve_url: str, client: httpx.Cli
     assert all((s.attention_ranks, s.ffn_ranks) == (1, 1) for s in snapshots)
     times = [s.time_s for s in snapshots]
     assert all(0.4 < b - a < 2 for a, b in itertools.pairwise(times))
+    # the recorded trace replays through the shipped policy: an idle 1A:1F stays at the minimum
+    png = tmp_path / "trace.png"
+    assert (
+        main(["autoscale", "simulate", "--policy", str(POLICY), "--trace", str(trace), "--plot", str(png)])
+        == 0
+    )
+    assert png.read_bytes().startswith(b"\x89PNG")
+    assert "4 evaluations, 0 changes; final A=1 F=1" in capsys.readouterr().out
