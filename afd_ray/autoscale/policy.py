@@ -239,6 +239,17 @@ class ScaleState(_Frozen):
         """The state before the first evaluation: targets are the current sizes."""
         return cls(attention=PoolState(target=attention_ranks), ffn=PoolState(target=ffn_ranks))
 
+    def follow(self, attention_ranks: int, ffn_ranks: int, now: float) -> ScaleState:
+        """This state after a change the policy did not decide (a manual resize, or a
+        resize that ended elsewhere than asked): a pool whose target differs from its
+        actual size takes that size, as a change at `now` (timers reset, cooldowns
+        start); a pool already there is unchanged."""
+
+        def pool(state: PoolState, size: int) -> PoolState:
+            return state if state.target == size else PoolState(target=size, last_change_s=now)
+
+        return ScaleState(attention=pool(self.attention, attention_ranks), ffn=pool(self.ffn, ffn_ranks))
+
 
 class Decision(_Frozen):
     """The policy's answer at one evaluation."""

@@ -125,6 +125,18 @@ def test_pools_decide_independently_and_reasons_name_signal_and_value() -> None:
     assert "hysteresis band" in decision.ffn_reason
 
 
+def test_follow_an_external_resize_starts_a_cooldown() -> None:
+    policy = _policy(max_ranks=3, scale_in_cooldown_s=30)
+    state = ScaleState.initial(1, 1)
+    assert state.follow(1, 1, now=50.0) == state
+    moved = state.follow(3, 1, now=50.0)  # a manual resize to 3 attention ranks
+    assert (moved.attention.target, moved.attention.last_change_s, moved.ffn) == (3, 50.0, state.ffn)
+    idle = MetricsSnapshot(time_s=60.0, attention_ranks=3, ffn_ranks=1, kv_cache_usage=0.0)
+    decision = decide(idle, moved, policy)
+    assert decision.attention_target == 3 and "cooldown 10 of 30 s" in decision.attention_reason
+    assert decide(idle.model_copy(update={"time_s": 80.0}), decision.state, policy).attention_target == 2
+
+
 def test_state_and_snapshot_round_trip() -> None:
     """State travels as JSON (Serve's policy_state); the snapshot as Serve metrics."""
     snapshot = MetricsSnapshot(time_s=5.0, attention_ranks=2, ffn_ranks=1, kv_cache_usage=0.9, tpot_p90_s=0.1)
