@@ -44,6 +44,7 @@ __all__ = [
     "Thresholds",
     "decide",
     "load_policy",
+    "signal_values",
 ]
 
 Pool = Literal["attention", "ffn"]

@@ -22,6 +22,7 @@ from afd_ray.autoscale.policy import (
     MetricsSnapshot,
     ScaleState,
     decide,
+    signal_values,
 )
 
 __all__ = ["RampWorkload", "Step", "changes", "plot", "replay", "simulate_ramp"]
@@ -184,7 +185,8 @@ def plot(steps: list[Step], path: Path, title: str) -> None:
     """Write a PNG of `steps` to `path`, five panels over time: load (output tokens/s;
     running and waiting requests), pool sizes (live ranks solid, policy targets dashed),
     latency SLO signals (TTFT p90, TPOT p90, seconds), fractions (KV-cache usage, FFN
-    busy) and counts (waiting requests per attention rank, tokens per FFN step)."""
+    busy) and counts (waiting and running requests per attention rank, tokens per FFN
+    step): every signal a policy can name, as `decide` computes it."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -216,22 +218,14 @@ def plot(steps: list[Step], path: Path, title: str) -> None:
     pools.set_ylabel("ranks")
     pools.legend(loc="upper left")
 
-    waiting_per_rank = [s.snapshot.waiting_requests / max(s.snapshot.attention_ranks, 1) for s in steps]
-    for axis, unit, lines in (
-        (latency, "seconds", {"ttft_p90_s": series("ttft_p90_s"), "tpot_p90_s": series("tpot_p90_s")}),
-        (
-            fractions,
-            "fraction",
-            {"kv_cache_usage": series("kv_cache_usage"), "ffn_busy_fraction": series("ffn_busy_fraction")},
-        ),
-        (
-            counts,
-            "count",
-            {"waiting_per_rank": waiting_per_rank, "tokens_per_ffn_step": series("tokens_per_ffn_step")},
-        ),
+    values = [signal_values(s.snapshot) for s in steps]
+    for axis, unit, names in (
+        (latency, "seconds", ("ttft_p90_s", "tpot_p90_s")),
+        (fractions, "fraction", ("kv_cache_usage", "ffn_busy_fraction")),
+        (counts, "count", ("waiting_per_rank", "running_per_rank", "tokens_per_ffn_step")),
     ):
-        for name, values in lines.items():
-            axis.plot(t, values, label=name)
+        for name in names:
+            axis.plot(t, [v[name] for v in values], label=name)
         axis.set_ylabel(unit)
         axis.legend(loc="upper left")
     counts.set_xlabel("time (s)")
