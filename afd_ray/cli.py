@@ -2,6 +2,7 @@
 
     afd-ray models prepare {smollm2,smollm2-moe} [--cache DIR]  # prints the checkpoint folder
     afd-ray models tiny FAMILY OUT_DIR [--seed N]      # prints OUT_DIR
+    afd-ray scale --attention A --ffn F [--url URL]    # resize a running deployment
     afd-ray autoscale simulate --policy P.yaml (--trace T.jsonl | --ramp) [--plot OUT.png]
     afd-ray autoscale record --url URL --out T.jsonl [--interval-s S] [--duration-s S]
 
@@ -177,8 +178,35 @@ def _add_autoscale(subparsers: argparse._SubParsersAction) -> None:
     record.set_defaults(handler=_autoscale_record)
 
 
+def _scale(args: argparse.Namespace) -> None:
+    import httpx
+
+    body = {"attention": args.attention, "ffn": args.ffn}
+    try:
+        response = httpx.post(f"{args.url.rstrip('/')}/afd/scale", json=body, timeout=args.timeout)
+    except httpx.HTTPError as e:
+        raise OSError(f"{args.url}: {e}") from e
+    if response.status_code != 200:
+        raise ValueError(f"{response.status_code}: {response.text}")
+    print(response.text)
+
+
+def _add_scale(subparsers: argparse._SubParsersAction) -> None:
+    scale = subparsers.add_parser(
+        "scale",
+        help="resize the attention and FFN pools of a running deployment (POST /afd/scale); "
+        "returns once the new layout serves and pauses the autoscaler",
+    )
+    scale.add_argument("--attention", type=int, required=True, help="attention ranks")
+    scale.add_argument("--ffn", type=int, required=True, help="FFN ranks")
+    scale.add_argument("--url", default="http://127.0.0.1:8000", help="the deployment's HTTP address")
+    scale.add_argument("--timeout", type=float, default=900.0, help="seconds to wait (default: 900)")
+    scale.set_defaults(handler=_scale)
+
+
 _GROUPS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     _add_models,
+    _add_scale,
     _add_autoscale,
 )
 

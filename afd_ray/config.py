@@ -17,11 +17,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 __all__ = [
     "AFDConfig",
     "AttentionPoolConfig",
+    "AutoscaleConfig",
     "ConnectorConfig",
     "FFNPoolConfig",
+    "GatePlacement",
     "IngressConfig",
     "ModelConfig",
-    "GatePlacement",
     "Platform",
 ]
 
@@ -72,6 +73,17 @@ class AttentionPoolConfig(_Section):
     num_ranks: int = Field(1, ge=1)
     """Attention ranks (Serve replicas of `AttentionServer`) at start."""
 
+    min_ranks: int = Field(1, ge=1)
+    """Fewest attention ranks a resize (manual or autoscaled) may leave."""
+
+    max_ranks: int | None = Field(None, ge=1)
+    """Most attention ranks a resize may start; None means `num_ranks`."""
+
+    @property
+    def upper(self) -> int:
+        """`max_ranks`, or `num_ranks` when unset."""
+        return self.num_ranks if self.max_ranks is None else self.max_ranks
+
     bundle_resources: float = Field(1.0, gt=0)
     """Amount of the platform resource key (CPU/GPU/NPU) in each member's bundle."""
 
@@ -94,6 +106,17 @@ class FFNPoolConfig(_Section):
 
     num_ranks: int = Field(1, ge=1)
     """FFN ranks (Serve replicas of `FFNServer`) at start."""
+
+    min_ranks: int = Field(1, ge=1)
+    """Fewest FFN ranks a resize (manual or autoscaled) may leave."""
+
+    max_ranks: int | None = Field(None, ge=1)
+    """Most FFN ranks a resize may start; None means `num_ranks`."""
+
+    @property
+    def upper(self) -> int:
+        """`max_ranks`, or `num_ranks` when unset."""
+        return self.num_ranks if self.max_ranks is None else self.max_ranks
 
     bundle_resources: float = Field(1.0, gt=0)
     """Amount of the platform resource key (CPU/GPU/NPU) in each member's bundle."""
@@ -131,6 +154,29 @@ class IngressConfig(_Section):
     beyond it Serve's proxy queues them."""
 
 
+class AutoscaleConfig(_Section):
+    """Resizing A:F while serving: manual `POST /afd/scale` and the autoscaler."""
+
+    enabled: bool = False
+    """Let the autoscaling policy change the pool sizes (a manual resize pauses it
+    until `POST /afd/autoscale/resume`)."""
+
+    policy: str | None = None
+    """Path of the autoscaling policy YAML (`afd_ray.autoscale.policy.AutoscalePolicy`,
+    e.g. `deployments/autoscale.yaml`); needed when `enabled`."""
+
+    interval_s: float = Field(5.0, gt=0)
+    """How often the autoscaler evaluates the policy, seconds."""
+
+    drain_timeout_s: float = Field(30.0, gt=0)
+    """How long a removed attention rank keeps serving the requests it already has,
+    seconds; requests still running then end with an explicit error."""
+
+    resize_timeout_s: float = Field(600.0, gt=0)
+    """Bound on one resize (replicas started, weights loaded, layout switched),
+    seconds; past it `POST /afd/scale` answers 504 and the resize event says why."""
+
+
 class AFDConfig(_Section):
     """Root of the config tree: the `args` of `deployments/afd.yaml`."""
 
@@ -149,3 +195,15 @@ class AFDConfig(_Section):
     attention: AttentionPoolConfig = AttentionPoolConfig()
     ffn: FFNPoolConfig = FFNPoolConfig()
     connector: ConnectorConfig = ConnectorConfig()
+    autoscale: AutoscaleConfig = AutoscaleConfig()
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AFDConfig:
+        for name, pool in (("attention", self.attention), ("ffn", self.ffn)):
+            if not pool.min_ranks <= pool.num_ranks:
+                raise ValueError(f"{name}.min_ranks: {pool.min_ranks} > {name}.num_ranks {pool.num_ranks}")
+            if pool.upper < pool.num_ranks:
+                raise ValueError(f"{name}.max_ranks: {pool.max_ranks} < {name}.num_ranks {pool.num_ranks}")
+        if self.autoscale.enabled and self.autoscale.policy is None:
+            raise ValueError("autoscale.policy: a policy file is needed when autoscale.enabled is true")
+        return self

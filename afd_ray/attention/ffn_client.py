@@ -16,7 +16,7 @@ import torch
 from afd_ray.connector.channel import AttentionChannel
 from afd_ray.control.membership import AttentionAssignment
 
-__all__ = ["ASSIGNMENT_ENV", "FFNClient", "ffn_client", "reset_ffn_client"]
+__all__ = ["ASSIGNMENT_ENV", "FFNClient", "ffn_client", "repeer_ffn_client", "reset_ffn_client"]
 
 ASSIGNMENT_ENV = "AFD_RAY_ASSIGNMENT"
 
@@ -77,3 +77,17 @@ def reset_ffn_client() -> None:
     if _client is not None:
         _client.channel.close()
         _client = None
+
+
+def repeer_ffn_client(assignment: AttentionAssignment) -> None:
+    """Move this process's client to the FFN peer of `assignment`: close the old pair
+    (LEAVE), then open the new one (JOIN under `assignment.epoch`; blocks until the new
+    FFN peer admits it at its next step boundary). Call between two forward passes.
+
+    Raises:
+        RuntimeError / DistStoreError: the new peer did not admit it within the timeout.
+    """
+    global _client
+    reset_ffn_client()
+    os.environ[ASSIGNMENT_ENV] = assignment.model_dump_json()
+    _client = FFNClient(assignment)

@@ -5,16 +5,26 @@ in `afd_ray.serve.app` applies `serve.deployment`). Tokenization, chat templates
 sampling-parameter checks, detokenization and SSE framing are vLLM's
 (`OpenAIServingChat`, `OpenAIServingCompletion`); this class only starts the engine
 and hands requests through.
+
+Membership: the rank registers with the coordinator (STARTING), reports READY once
+its engine serves, and polls the coordinator every `_WATCH_PERIOD_S`. When the
+coordinator moves it to another FFN peer, the worker re-peers between two engine
+steps (`AFDWorkerExtension.afd_repeer`). When Serve stops the replica (scale-in),
+the coordinator marks it DRAINING; Serve routes it no new request, and requests
+still running `autoscale.drain_timeout_s` later end with an explicit error (503,
+or an SSE error event). Its destructor then closes the pair channel (LEAVE).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
-from pathlib import Path
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from pathlib import Path
 
+from ray import serve
 from ray.serve.handle import DeploymentHandle
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.entrypoints.openai.chat_completion.protocol import (
@@ -22,12 +32,17 @@ from vllm.entrypoints.openai.chat_completion.protocol import (
     ChatCompletionResponse,
 )
 from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
-from vllm.entrypoints.openai.completion.protocol import CompletionRequest, CompletionResponse
+from vllm.entrypoints.openai.completion.protocol import (
+    CompletionRequest,
+    CompletionResponse,
+)
 from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
 from vllm.entrypoints.openai.models.protocol import BaseModelPath
 from vllm.entrypoints.openai.models.serving import OpenAIServingModels
-from vllm.entrypoints.serve.engine.protocol import ErrorResponse, ModelList
-from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse, ModelList
+from vllm.entrypoints.serve.exception_handling.error_response import (
+    create_error_response,
+)
 from vllm.renderers.online_renderer import OnlineRenderer
 from vllm.usage.usage_lib import UsageContext
 from vllm.v1.engine.async_llm import AsyncLLM
@@ -35,7 +50,15 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from afd_ray.attention.engine import engine_args, engine_env
 from afd_ray.attention.ffn_client import ASSIGNMENT_ENV
 from afd_ray.autoscale.recorder import AttentionRecorder
-from afd_ray.config import AttentionPoolConfig, ConnectorConfig, GatePlacement, ModelConfig
+from afd_ray.config import (
+    AttentionPoolConfig,
+    AutoscaleConfig,
+    ConnectorConfig,
+    GatePlacement,
+    ModelConfig,
+)
+from afd_ray.control.membership import AttentionAssignment, MemberState
+from afd_ray.control.serve_api import app_deleting
 from afd_ray.models.embedded import resolve_checkpoint
 
 __all__ = ["AttentionServer", "ChatChunk", "CompletionChunk"]
@@ -44,6 +67,8 @@ logger = logging.getLogger(__name__)
 
 _REPORT_PERIOD_S = 1.0
 """How often an attention rank sends its autoscaling signals to the coordinator."""
+_WATCH_PERIOD_S = 0.5
+"""How often an attention rank asks the coordinator for its state and FFN peer."""
 
 ChatChunk = str | ChatCompletionResponse | ErrorResponse
 """An item of `AttentionServer.chat`: an SSE event, or the whole answer."""
@@ -75,9 +100,10 @@ class AttentionServer:
         connector: ConnectorConfig,
         gate_placement: GatePlacement,
         coordinator: DeploymentHandle,
+        autoscale: AutoscaleConfig,
     ) -> None:
         """Get an FFN peer from the coordinator, then start the engine; returns once
-        it is ready to serve.
+        it is ready to serve (and reported READY).
 
         The engine process environment (`engine_env`, plus the FFN peer assignment
         under `AFD_RAY_ASSIGNMENT`) is set in this process first, so vLLM's EngineCore
@@ -88,13 +114,22 @@ class AttentionServer:
                 its architecture has no AFD class.
             TimeoutError: no FFN rank registered within `connector.timeout_s`.
         """
-        assignment = await coordinator.assign_attention.remote(connector.timeout_s)
+        replica = serve.get_replica_context().replica_id.unique_id
+        assignment = await coordinator.assign_attention.remote(connector.timeout_s, replica)
         self.rank = assignment.peer
+        self._assignment = assignment
+        self._coordinator = coordinator
+        self._drain_timeout_s = autoscale.drain_timeout_s
+        self._drained = asyncio.Event()
+        """Set `drain_timeout_s` after draining began: running requests end with an error."""
         os.environ.update(engine_env(attention))
         os.environ[ASSIGNMENT_ENV] = assignment.model_dump_json()
         checkpoint = resolve_checkpoint(model)
         self._start(engine_args(model, attention, checkpoint, gate_placement), model.name, checkpoint)
+        await self._engine.collective_rpc("afd_connect")
+        await coordinator.attention_ready.remote(self.rank)
         self._reporter = asyncio.create_task(self._report(coordinator))
+        self._watcher = asyncio.create_task(self._watch())
 
     def _start(self, args: AsyncEngineArgs, served_name: str, checkpoint: Path) -> None:
         """Start the engine from `args` and vLLM's OpenAI serving layer on it; the
@@ -134,17 +169,72 @@ class AttentionServer:
             report = self._recorder.drain(self._engine.get_num_unfinished_requests())
             await coordinator.report_attention.remote(self.rank, report)
 
+    async def _watch(self) -> None:
+        """Follow the coordinator: re-peer when it moved this rank to another FFN
+        peer; once DRAINING, end the requests still running after the drain timeout."""
+        draining = False
+        while True:
+            await asyncio.sleep(_WATCH_PERIOD_S)
+            directive = await self._coordinator.attention_poll.remote(self.rank)
+            if directive.assignment.epoch > self._assignment.epoch:
+                await self._repeer(directive.assignment)
+            if directive.state is MemberState.DRAINING and not draining:
+                draining = True
+                logger.info("attention rank %d draining for up to %.0f s", self.rank, self._drain_timeout_s)
+                asyncio.get_running_loop().call_later(self._drain_timeout_s, self._drained.set)
+
+    async def _repeer(self, assignment: AttentionAssignment) -> None:
+        """Close the pair with the old FFN peer (LEAVE) and join the new one, between
+        two engine steps of the worker."""
+        old = self._assignment
+        await self._engine.collective_rpc("afd_repeer", args=(assignment.model_dump_json(),))
+        self._assignment = assignment
+        os.environ[ASSIGNMENT_ENV] = assignment.model_dump_json()
+        await self._coordinator.attention_peered.remote(self.rank, assignment.epoch)
+        logger.info("attention rank %d: FFN peer %d (epoch %d) -> %d (epoch %d)", self.rank, old.ffn_rank,
+                    old.epoch, assignment.ffn_rank, assignment.epoch)  # fmt: skip
+
     async def chat(self, request: ChatCompletionRequest) -> AsyncGenerator[ChatChunk, None]:
         """Answer `POST /v1/chat/completions`; see the class docstring for the items."""
-        async for item in _relay(self._chat.create_chat_completion(request)):
+        async for item in self._until_drained(_relay(self._chat.create_chat_completion(request))):
             yield item
 
     async def completions(
         self, request: CompletionRequest
     ) -> AsyncGenerator[CompletionChunk, None]:
         """Answer `POST /v1/completions`; see the class docstring for the items."""
-        async for item in _relay(self._completion.create_completion(request)):
+        async for item in self._until_drained(_relay(self._completion.create_completion(request))):
             yield item
+
+    async def _until_drained(self, items: AsyncGenerator[object, None]) -> AsyncGenerator[object, None]:
+        """The items of `items` until the drain timeout passes; then the request is
+        aborted in vLLM (its generator is closed) and ends with a 503 error: an error
+        body if nothing was sent yet, else an SSE error event and `[DONE]`."""
+        streamed = False
+        try:
+            while not self._drained.is_set():
+                item = asyncio.ensure_future(anext(items))
+                drained = asyncio.ensure_future(self._drained.wait())
+                await asyncio.wait((item, drained), return_when=asyncio.FIRST_COMPLETED)
+                drained.cancel()
+                if not item.done():
+                    item.cancel()  # vLLM aborts the request
+                    await asyncio.gather(item, return_exceptions=True)
+                    break
+                try:
+                    value = item.result()
+                except StopAsyncIteration:
+                    return
+                streamed = streamed or isinstance(value, str)
+                yield value
+            error = _drain_error(self.rank, self._drain_timeout_s)
+            if streamed:
+                yield f"data: {json.dumps(error.model_dump())}\n\n"
+                yield "data: [DONE]\n\n"
+            else:
+                yield error
+        finally:
+            await items.aclose()
 
     async def models(self) -> ModelList:
         """The served model, as `GET /v1/models` lists it."""
@@ -169,9 +259,20 @@ class AttentionServer:
         """
         await self._engine.check_health()
 
-    def __del__(self) -> None:
-        """Stop the EngineCore process when Serve stops this replica."""
-        if hasattr(self, "_engine"):
+    async def __del__(self) -> None:
+        """Serve stops this replica after draining it: close the pair channel to the
+        FFN peer (LEAVE, between engine steps), report GONE, stop the EngineCore."""
+        if not hasattr(self, "_engine"):
+            return
+        try:
+            deleting = await app_deleting(serve.get_replica_context().app_name)
+            if not deleting:
+                await self._coordinator.attention_leaving.remote(self.rank)
+            self._drained.set()
+            await self._engine.collective_rpc("afd_close")
+            if not deleting:
+                await self._coordinator.attention_gone.remote(self.rank)
+        finally:
             self._engine.shutdown()
 
 
@@ -188,6 +289,13 @@ async def _relay(answer: Awaitable[object]) -> AsyncGenerator[object, None]:
             yield event
     else:
         yield result
+
+
+def _drain_error(rank: int, timeout_s: float) -> ErrorResponse:
+    """The 503 body of a request still running when its rank's drain timeout passed."""
+    message = (f"attention rank {rank} was removed by a resize and the request did not finish within "
+               f"the drain timeout ({timeout_s:.0f} s, autoscale.drain_timeout_s); retry it")  # fmt: skip
+    return ErrorResponse(error=ErrorInfo(message=message, type="ServiceUnavailableError", code=503))
 
 
 def _error(exc: Exception) -> ErrorResponse:

@@ -1,8 +1,16 @@
-"""vLLM worker extension: AFD inspection inside the worker process that runs the model."""
+"""vLLM worker extension: AFD inspection and membership inside the worker process
+that runs the model.
+
+vLLM's EngineCore runs `collective_rpc` calls between two engine steps, so no
+forward pass (and no A2F/F2A exchange) is in flight while the pair channel changes.
+"""
 
 from __future__ import annotations
 
 from collections import defaultdict
+
+from afd_ray.attention.ffn_client import ffn_client, repeer_ffn_client, reset_ffn_client
+from afd_ray.control.membership import AttentionAssignment
 
 __all__ = ["AFDWorkerExtension"]
 
@@ -21,3 +29,17 @@ class AFDWorkerExtension:
             key = ".".join(p for p in name.split(".") if not p.isdigit())
             totals[key] += param.numel() * param.element_size()
         return dict(totals)
+
+    def afd_connect(self) -> None:
+        """Open the pair channel to the FFN peer now (JOIN), not at the first forward
+        pass (vLLM's CPU engine runs none at start-up)."""
+        ffn_client()
+
+    def afd_repeer(self, assignment_json: str) -> None:
+        """Move the pair channel to the FFN peer of `assignment_json` (an
+        `AttentionAssignment` as JSON): LEAVE the old peer, JOIN the new one."""
+        repeer_ffn_client(AttentionAssignment.model_validate_json(assignment_json))
+
+    def afd_close(self) -> None:
+        """Close the pair channel (LEAVE): this rank is leaving the pool."""
+        reset_ffn_client()

@@ -20,7 +20,10 @@ Protocol rules (why it cannot deadlock with one FFN peer per attention rank):
 3. The FFN posts data-plane receives only for peers whose STEP it has read, so every
    posted receive has a sender on the way; each one is bounded by `timeout_s`, and a
    dead peer fails it at once ("connection closed by peer").
-4. A header whose epoch differs from the FFN's is dropped, never applied.
+4. Every pair has the epoch of its assignment: the JOIN carries it, and later STEP and
+   LEAVE headers of that peer must carry the same one. A header from an older epoch
+   (a stale JOIN, or a STEP/LEAVE of a pairing the peer has since replaced) is
+   dropped, never applied; so is one from a peer that has not joined.
 
 Release on `close()`: the FFN waits for headers with a poll timeout, so stopping the
 loop releases it within one poll. A data-plane receive already posted cannot be
@@ -47,6 +50,8 @@ __all__ = ["AttentionChannel", "FFNAddress", "FFNChannel"]
 
 logger = logging.getLogger(__name__)
 
+_LEAVE_LINGER_MS = 1000
+"""How long closing an attention channel waits for its LEAVE to leave the socket."""
 _A2F_TAG = 1
 _F2A_TAG = 2
 _TOPK_IDS_TAG = 3
@@ -146,7 +151,7 @@ class AttentionChannel:
             self._push.send(StepHeader(HeaderKind.LEAVE, self.peer, self.epoch).pack(), zmq.NOBLOCK)
         except zmq.ZMQError:
             logger.warning("attention rank %d: LEAVE not sent, FFN peer unreachable", self.peer)
-        self._push.close()
+        self._push.close(linger=_LEAVE_LINGER_MS)
         self._zmq.term()
         self._pg.shutdown()
 
@@ -175,6 +180,8 @@ class FFNChannel:
         control_port = self._pull.bind_to_random_port(f"tcp://{host}")
         self.address = FFNAddress(host, self._store.port, control_port)
         self._pairs: dict[int, dist.ProcessGroup] = {}
+        self._peer_epochs: dict[int, int] = {}
+        """Epoch of each peer's latest JOIN read (rule 4)."""
 
     @property
     def peers(self) -> list[int]:
@@ -182,25 +189,32 @@ class FFNChannel:
         return list(self._pairs)
 
     def recv_header(self, timeout_s: float) -> StepHeader | None:
-        """Next header of the current epoch, or None if none arrived within `timeout_s`.
+        """Next valid header, or None if none arrived within `timeout_s`.
 
-        Headers of another epoch are dropped with a warning.
+        A header from an older epoch than its peer's pairing (rule 4) is dropped with
+        a warning, and None returned.
         """
         if not self._pull.poll(timeout_s * 1000):
             return None
         header = StepHeader.unpack(self._pull.recv())
-        if header.epoch != self.epoch:
-            logger.warning("dropped %s: FFN serves epoch %d", header, self.epoch)
-            return None
-        return header
+        joined = self._peer_epochs.get(header.peer)
+        if header.kind is HeaderKind.JOIN and (joined is None or header.epoch >= joined):
+            self._peer_epochs[header.peer] = header.epoch
+            return header
+        if header.kind is not HeaderKind.JOIN and header.epoch == joined:
+            return header
+        logger.warning("dropped %s: peer %d is paired under epoch %s", header, header.peer, joined)
+        return None
 
     def admit(self, peer: int) -> None:
-        """Open the pair group with attention rank `peer` (blocks until it joins).
+        """Open the pair group with attention rank `peer` under the epoch of its JOIN
+        (blocks until it joins).
 
         Raises:
             RuntimeError / DistStoreError: the peer did not rendezvous within the timeout.
         """
-        prefix = dist.PrefixStore(_pair_prefix(peer, self.epoch), self._store)
+        self.remove(peer)  # a re-JOIN replaces the peer's older pairing
+        prefix = dist.PrefixStore(_pair_prefix(peer, self._peer_epochs[peer]), self._store)
         self._pairs[peer] = new_process_group(self._backend, prefix, 0, 2, self._timeout_s)
 
     def remove(self, peer: int) -> None:

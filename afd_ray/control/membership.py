@@ -1,13 +1,55 @@
-"""Membership records exchanged through the coordinator (JSON-serializable)."""
+"""Membership records exchanged through the coordinator (JSON-serializable).
+
+Every pool member goes through `MemberState` STARTING -> READY -> DRAINING -> GONE,
+changed only by `MemberState.to` (a member may also fail straight to GONE).
+"""
 
 from __future__ import annotations
+
+from enum import Enum
 
 from pydantic import BaseModel, ConfigDict
 
 from afd_ray.autoscale.policy import MetricsSnapshot
 from afd_ray.connector.channel import FFNAddress
 
-__all__ = ["AFDStatus", "AttentionAssignment", "AttentionMember", "EPAssignment", "FFNMember"]
+__all__ = [
+    "AFDStatus",
+    "AttentionAssignment",
+    "AttentionDirective",
+    "AttentionMember",
+    "EPAssignment",
+    "FFNMember",
+    "LayoutPlan",
+    "MemberState",
+    "ResizeEvent",
+    "ScaleRequest",
+]
+
+
+class MemberState(str, Enum):
+    """Lifecycle of one pool member (an attention or FFN rank)."""
+
+    STARTING = "starting"
+    """Registered; loading weights, opening channels; serves nothing yet."""
+    READY = "ready"
+    """Serving: an attention rank takes requests, an FFN rank is in the layout."""
+    DRAINING = "draining"
+    """Being removed: an attention rank finishes its requests (up to the drain
+    timeout) and takes no new ones; an FFN rank hands its experts and peers over."""
+    GONE = "gone"
+    """Detached: holds no peer, no pair channel, no EP group."""
+
+    def to(self, new: MemberState) -> MemberState:
+        """`new`, if the lifecycle allows going there from this state.
+
+        Raises:
+            ValueError: a backward move (e.g. DRAINING -> READY) or leaving GONE.
+        """
+        order = list(MemberState)
+        if order.index(new) < order.index(self) or self is MemberState.GONE:
+            raise ValueError(f"member state: {self.value} -> {new.value} is not allowed")
+        return new
 
 
 class _Record(BaseModel):
@@ -35,8 +77,9 @@ class AttentionAssignment(_Record):
 
 
 class EPAssignment(_Record):
-    """An FFN rank's place in the FFN pool's EP group; FFN rank 0's store hosts the
-    group's rendezvous."""
+    """An FFN rank's place in the FFN layout of `epoch`: its EP rank among the FFN
+    ranks of that layout; the store of the layout's first FFN rank hosts the EP
+    group's rendezvous (under the prefix `afd/ep/<epoch>`)."""
 
     ep_rank: int
     ep_size: int
@@ -47,11 +90,44 @@ class EPAssignment(_Record):
     timeout_s: float
 
 
+class LayoutPlan(_Record):
+    """The FFN layout of `epoch` that an FFN rank must prepare (make before break):
+    load the experts `assignment` gives it and open that epoch's EP group while the
+    old layout serves; every FFN rank then switches at one agreed step boundary."""
+
+    epoch: int
+    assignment: EPAssignment | None
+    """This rank's place in the new layout; None: it leaves the layout at the switch."""
+
+
+class AttentionDirective(_Record):
+    """What the coordinator wants of one attention rank now (it polls for it)."""
+
+    state: MemberState
+    assignment: AttentionAssignment
+    """Its current FFN peer; when its epoch is newer than the pairing the rank holds,
+    the rank re-peers between two engine steps."""
+
+
+class ScaleRequest(_Record):
+    """Body of `POST /afd/scale`: the pool sizes to reach."""
+
+    attention: int
+    """Attention ranks, within `attention.min_ranks`..`attention.max_ranks`."""
+    ffn: int
+    """FFN ranks, within `ffn.min_ranks`..`ffn.max_ranks`."""
+
+
 class FFNMember(_Record):
     """One FFN rank as `/afd/status` shows it."""
 
     rank: int
     address: FFNAddress
+    state: MemberState = MemberState.STARTING
+    epoch: int = -1
+    """Layout epoch this rank serves now (-1 before it joined one)."""
+    ep_rank: int | None = None
+    """Its EP rank in the coordinator's current layout (None: not in it)."""
     steps: int = 0
     layers: int = 0
     tokens: int = 0
@@ -68,6 +144,38 @@ class AttentionMember(_Record):
 
     rank: int
     ffn_peer: int
+    state: MemberState = MemberState.STARTING
+    epoch: int = 0
+    """Epoch of its current pairing with `ffn_peer`."""
+    replica: str = ""
+    """Serve replica id of the `AttentionServer` that holds this rank."""
+    peered_epoch: int = -1
+    """Epoch of the pairing the rank reported open (`epoch` once it moved)."""
+
+
+class ResizeEvent(_Record):
+    """One change of the pool sizes, as `/afd/status` and the log show it."""
+
+    reason: str
+    """Why: `manual` (POST /afd/scale) or the autoscaling policy's reason."""
+    from_attention: int
+    from_ffn: int
+    to_attention: int
+    to_ffn: int
+    epoch: int
+    """Layout epoch once the new layout serves."""
+    started_s: float
+    """Unix time the resize began, seconds."""
+    duration_s: float = 0.0
+    """Until the new layout served, seconds."""
+    pause_s: float = 0.0
+    """Longest time the FFN pool did not step during the resize while requests were
+    running (the longest gap between FFN steps), seconds."""
+    bytes_loaded: int = 0
+    """Weight bytes FFN ranks loaded for the new layout (new ranks' shards and old
+    ranks' new experts)."""
+    error: str | None = None
+    """Why the resize did not complete, if it did not."""
 
 
 class AFDStatus(_Record):
@@ -76,6 +184,11 @@ class AFDStatus(_Record):
     epoch: int
     attention: list[AttentionMember]
     ffn: list[FFNMember]
+    target_attention: int = 0
+    target_ffn: int = 0
+    autoscale_paused: bool = False
+    """A manual resize paused the autoscaler (until `POST /afd/autoscale/resume`)."""
+    resizes: list[ResizeEvent] = []
     metrics: MetricsSnapshot | None = None
     """The autoscaling signals over the coordinator's sliding window (None where no
     coordinator computed them)."""

@@ -40,12 +40,20 @@ class EPGroup:
         self.size = group.size()
         self._owner = torch.tensor(expert_owner(num_experts, self.size), device=device)  # [E]
         self._device = device
+        self.all_ready = False
+        """Whether every EP rank passed `ready=True` to the last `agree()`."""
 
-    def agree(self, local_tokens: int) -> int:
-        """Sum of every EP rank's token count for the next step (0: nobody steps)."""
-        count = torch.tensor([local_tokens], dtype=torch.int64)
+    def agree(self, local_tokens: int, ready: bool = False) -> int:
+        """Sum of every EP rank's token count for the next step (0: nobody steps).
+
+        One all-reduce of `[local_tokens, ready]`; it also sets `all_ready`: whether
+        every EP rank passed `ready=True` (the group then switches to its next
+        layout after this step, `afd_ray.ffn.runtime`).
+        """
+        count = torch.tensor([local_tokens, int(ready)], dtype=torch.int64)
         self.group.allreduce([count]).wait()
-        return int(count.item())
+        self.all_ready = int(count[1]) == self.size
+        return int(count[0])
 
     def _all_to_all(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
         recv = send.new_empty((sum(recv_splits), *send.shape[1:]))

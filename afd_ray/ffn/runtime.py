@@ -5,6 +5,11 @@ boundary; STEP headers form one step for every peer taking part, which runs ever
 FFN layer in order: receive `[T_i, H]` from each peer (A2F), compute on all rows at
 once, send each peer its `[T_i, H]` back (F2A). The loop owns nothing across steps except the weights and
 the counters in `FFNStats`, so a lost FFN rank loses no request data.
+
+A new FFN layout (a resize of the FFN pool) is prepared outside the loop (new expert
+shard loaded, new EP group opened) and handed over with `prepare_switch`; the loop
+switches model, EP group and epoch together at the first step boundary at which every
+rank of its current EP group has its switch prepared (agreed in `EPGroup.agree`).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from afd_ray.ffn.model import FFNStack
 from afd_ray.ffn.moe import MoE
 from afd_ray.ffn.routing import Routing
 
-__all__ = ["FFNRuntime", "FFNStats"]
+__all__ = ["FFNRuntime", "FFNStats", "LayoutSwitch"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +51,20 @@ class FFNStats:
     with `gate_on_attention`), summed over layers."""
     f2a_bytes: int = 0
     """Bytes sent back to attention peers (FFN outputs), summed over layers."""
+
+
+@dataclass(frozen=True)
+class LayoutSwitch:
+    """A prepared FFN layout for `FFNRuntime.prepare_switch`."""
+
+    epoch: int
+    """Layout epoch served after the switch."""
+    model: FFNStack
+    """The FFN blocks of the new layout (this rank's new expert shard)."""
+    ep: EPGroup | None
+    """The new layout's EP group, or None for a single FFN rank (or a dense model)."""
+    leave: bool = False
+    """This rank leaves the layout: it serves no step after the switch."""
 
 
 class FFNRuntime:
@@ -77,6 +96,7 @@ class FFNRuntime:
         batch_window_s: longest wait for more peers once one peer's step header
             arrived, seconds.
         ep: the EP group among FFN ranks, or None for a single FFN rank.
+        epoch: the layout epoch this rank starts in.
     """
 
     def __init__(
@@ -87,11 +107,18 @@ class FFNRuntime:
         poll_s: float,
         batch_window_s: float,
         ep: EPGroup | None = None,
+        epoch: int = 0,
     ) -> None:
         self.model = model
         self.channel = channel
         self.ep = ep
         self.stats = FFNStats()
+        self.epoch = epoch
+        """Layout epoch this rank serves."""
+        self.left = False
+        """This rank left the layout (it serves no step any more)."""
+        self._pending: LayoutSwitch | None = None
+        self._pause_s = 0.0
         self._dtype = dtype
         self._poll_s = poll_s
         self._batch_window_s = batch_window_s
@@ -114,20 +141,52 @@ class FFNRuntime:
                     steps, membership = self._form_step(header)
                 elif header is not None:
                     membership.append(header)
+                pending = self._pending
                 if self.ep is None:
-                    run_step = bool(steps)
+                    run_step, switch = bool(steps), pending is not None
                 else:
-                    run_step = self.ep.agree(sum(step.num_tokens for step in steps)) > 0
-                if run_step:
+                    run_step = self.ep.agree(sum(step.num_tokens for step in steps), pending is not None) > 0
+                    switch = self.ep.all_ready
+                if run_step and not self.left:
                     self._step(steps)
+                start = time.perf_counter()
                 for change in membership:
                     self._apply(change)
+                if switch and pending is not None:
+                    self._switch(pending)
+                if membership or switch:
+                    self._pause_s = max(self._pause_s, time.perf_counter() - start)
         finally:
             self.channel.close()
 
     def stop(self) -> None:
         """Ask `run()` to return within one poll interval."""
         self._stop.set()
+
+    def prepare_switch(self, switch: LayoutSwitch) -> None:
+        """Hand over a prepared layout; `run()` switches to it at the first step
+        boundary where every rank of the current EP group has one (thread-safe)."""
+        self._pending = switch
+
+    def take_pause(self) -> float:
+        """Longest step-boundary pause (admitting or removing peers, switching the
+        layout) since the previous call, seconds."""
+        pause, self._pause_s = self._pause_s, 0.0
+        return pause
+
+    def _switch(self, switch: LayoutSwitch) -> None:
+        """Serve the layout of `switch` from the next step on; the old EP group is
+        destroyed here, its tensors are freed with the old model."""
+        old = self.ep
+        self.model, self.ep, self.epoch, self.left = switch.model, switch.ep, switch.epoch, switch.leave
+        self.channel.epoch = switch.epoch
+        self._pending = None
+        if old is not None and old is not switch.ep:
+            old.group.shutdown()
+        logger.info(
+            "FFN switched to the layout of epoch %d (%s)", switch.epoch,
+            "left" if switch.leave else f"EP {switch.ep.rank}/{switch.ep.size}" if switch.ep else "no EP",
+        )
 
     def _form_step(self, first: StepHeader) -> tuple[list[StepHeader], list[StepHeader]]:
         """The STEP headers of this step (peer order) and the JOIN/LEAVE read meanwhile."""
@@ -160,7 +219,7 @@ class FFNRuntime:
             logger.info("FFN admitted attention rank %d (epoch %d)", header.peer, header.epoch)
         else:
             self.channel.remove(header.peer)
-            logger.info("attention rank %d left", header.peer)
+            logger.info("attention rank %d left (epoch %d)", header.peer, header.epoch)
 
     @torch.inference_mode()
     def _step(self, steps: list[StepHeader]) -> None:

@@ -1,6 +1,11 @@
 """One FFN rank as a Serve replica: loads its weights, runs the FFN loop in a thread.
 
-It takes no user requests (no route leads here) and allocates no KV cache.
+It takes no user requests (no route leads here) and allocates no KV cache. Its
+report loop also brings back the coordinator's `LayoutPlan` during an FFN resize:
+the rank then loads its shard of the new layout and opens the new EP group while the
+old layout serves, and hands both to the loop, which switches at one agreed step
+boundary (make before break). When Serve stops the replica (scale-in), its
+destructor waits until the coordinator moved its peers and experts elsewhere.
 """
 
 from __future__ import annotations
@@ -13,16 +18,24 @@ from datetime import timedelta
 import ray
 import torch
 import torch.distributed as dist
+from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from afd_ray.config import ConnectorConfig, FFNPoolConfig, GatePlacement, ModelConfig, Platform
+from afd_ray.config import (
+    ConnectorConfig,
+    FFNPoolConfig,
+    GatePlacement,
+    ModelConfig,
+    Platform,
+)
 from afd_ray.connector.channel import FFNChannel
 from afd_ray.connector.process_group import new_process_group
-from afd_ray.control.membership import EPAssignment
+from afd_ray.control.membership import EPAssignment, LayoutPlan
+from afd_ray.control.serve_api import app_deleting
 from afd_ray.ffn.ep import EPGroup
-from afd_ray.ffn.model import load_ffn_stack
+from afd_ray.ffn.model import FFNStack, load_ffn_stack
 from afd_ray.ffn.moe import MoE
-from afd_ray.ffn.runtime import FFNRuntime
+from afd_ray.ffn.runtime import FFNRuntime, LayoutSwitch
 from afd_ray.models.embedded import resolve_checkpoint
 from afd_ray.platform import collective_backend, torch_device
 
@@ -70,28 +83,67 @@ class FFNServer:
             connector.host or ray.util.get_node_ip_address(), collective_backend(platform), connector.timeout_s
         )
         self._coordinator = coordinator
+        self._load = (resolve_checkpoint(model), dtype, device, gate_placement == "gate_on_attention")
+        self._ep_poll_s = ffn.ep_idle_check_us / 1e6
         self.rank = await coordinator.register_ffn.remote(channel.address)
         assignment = await coordinator.ep_assignment.remote(self.rank, connector.timeout_s)
-        stack = load_ffn_stack(
-            resolve_checkpoint(model), dtype, device, assignment.ep_rank, assignment.ep_size,
-            gate_on_attention=gate_placement == "gate_on_attention",
+        stack = await asyncio.to_thread(self._load_stack, assignment)
+        if assignment.epoch > 0:  # started by a scale-out
+            await coordinator.ffn_loaded.remote(self.rank, assignment.epoch, _param_bytes(stack))
+        ep = await self._ep_group(stack, assignment)
+        self._shard = (assignment.ep_rank, assignment.ep_size)
+        self._preparing = assignment.epoch
+        poll_s = self._ep_poll_s if _is_moe(stack) else _STOP_POLL_S
+        self._runtime = FFNRuntime(
+            stack, channel, dtype, poll_s, connector.batch_window_us / 1e6, ep, epoch=assignment.epoch
         )
-        moe = [block for block in stack.layers if isinstance(block, MoE)]
-        ep = None
-        if assignment.ep_size > 1 and moe:
-            group = await asyncio.to_thread(_ep_process_group, assignment)
-            ep = EPGroup(group, moe[0].spec.num_experts, device)
-        poll_s = ffn.ep_idle_check_us / 1e6 if ep is not None else _STOP_POLL_S
-        self._runtime = FFNRuntime(stack, channel, dtype, poll_s, connector.batch_window_us / 1e6, ep)
         self._loop = threading.Thread(target=self._runtime.run, name=f"afd-ffn-{self.rank}", daemon=True)
         self._loop.start()
         self._reporter = asyncio.create_task(self._report())
 
+    def _load_stack(self, assignment: EPAssignment) -> FFNStack:
+        checkpoint, dtype, device, gate_on_attention = self._load
+        return load_ffn_stack(
+            checkpoint, dtype, device, assignment.ep_rank, assignment.ep_size, gate_on_attention=gate_on_attention
+        )
+
+    async def _ep_group(self, stack: FFNStack, assignment: EPAssignment) -> EPGroup | None:
+        """The EP group of `assignment`'s layout (None: one rank, or a dense model);
+        returns once every FFN rank of that layout joined."""
+        moe = [block for block in stack.layers if isinstance(block, MoE)]
+        if assignment.ep_size == 1 or not moe:
+            return None
+        group = await asyncio.to_thread(_ep_process_group, assignment)
+        return EPGroup(group, moe[0].spec.num_experts, self._load[2])
+
     async def _report(self) -> None:
         while True:
             runtime = self._runtime
-            await self._coordinator.report_ffn.remote(self.rank, runtime.stats, runtime.expert_tokens.tolist())
+            plan = await self._coordinator.report_ffn.remote(
+                self.rank, runtime.stats, runtime.expert_tokens.tolist(), runtime.epoch, runtime.take_pause()
+            )
+            if plan is not None and plan.epoch > self._preparing:
+                self._preparing = plan.epoch
+                asyncio.create_task(self._prepare(plan))
             await asyncio.sleep(_REPORT_PERIOD_S)
+
+    async def _prepare(self, plan: LayoutPlan) -> None:
+        """Make before break: load this rank's shard of the layout of `plan` (unless
+        it holds it already; dense models never reload) and open its EP group, while
+        the loop keeps serving; then hand both to the loop."""
+        runtime = self._runtime
+        assignment = plan.assignment
+        if assignment is None:
+            runtime.prepare_switch(LayoutSwitch(plan.epoch, runtime.model, None, leave=True))
+            return
+        stack = runtime.model
+        shard = (assignment.ep_rank, assignment.ep_size)
+        if _is_moe(stack) and shard != self._shard:
+            stack = await asyncio.to_thread(self._load_stack, assignment)
+            await self._coordinator.ffn_loaded.remote(self.rank, plan.epoch, _param_bytes(stack))
+        ep = await self._ep_group(stack, assignment)
+        self._shard = shard
+        runtime.prepare_switch(LayoutSwitch(plan.epoch, stack, ep))
 
     async def param_bytes(self) -> dict[str, int]:
         """Resident parameter bytes of this rank's FFN model, keyed by parameter name
@@ -111,6 +163,22 @@ class FFNServer:
         if not self._loop.is_alive():
             raise RuntimeError(f"FFN rank {self.rank}: loop thread exited")
 
-    def __del__(self) -> None:
+    async def __del__(self) -> None:
+        """Scale-in (Serve stops this replica): wait until the coordinator moved this
+        rank's attention peers and experts to the remaining ranks, then stop the loop.
+        When the whole application is being deleted, just stop."""
         if hasattr(self, "_runtime"):
-            self._runtime.stop()
+            try:
+                if not await app_deleting(serve.get_replica_context().app_name):
+                    await self._coordinator.ffn_leaving.remote(self.rank)
+            finally:
+                self._runtime.stop()
+                await asyncio.to_thread(self._loop.join, _STOP_POLL_S * 20)
+
+
+def _is_moe(stack: FFNStack) -> bool:
+    return any(isinstance(block, MoE) for block in stack.layers)
+
+
+def _param_bytes(stack: FFNStack) -> int:
+    return sum(p.numel() * p.element_size() for p in stack.parameters())

@@ -6,13 +6,24 @@ from ray import serve
 from ray.serve import Application
 
 from afd_ray.attention.server import AttentionServer
+from afd_ray.autoscale.policy import AutoscalePolicy, load_policy
 from afd_ray.config import AFDConfig
-from afd_ray.control.coordinator import Coordinator
+from afd_ray.control.coordinator import (
+    ATTENTION_DEPLOYMENT,
+    FFN_DEPLOYMENT,
+    Coordinator,
+)
 from afd_ray.ffn.server import FFNServer
 from afd_ray.platform import actor_resources, resource_key
 from afd_ray.serve.ingress import Ingress
 
 __all__ = ["build_app"]
+
+_COORDINATOR_CALLS = 10_000
+"""Concurrent calls the coordinator replica accepts."""
+_TEARDOWN_S = 60.0
+"""Time a stopping attention replica has, after its drain timeout, to end its
+remaining requests, close its pair channel and stop its engine, seconds."""
 
 
 def build_app(args: dict[str, object]) -> Application:
@@ -24,37 +35,58 @@ def build_app(args: dict[str, object]) -> Application:
     `attention.max_num_seqs` requests at a time; further requests wait in Serve's
     queue. The coordinator and the ingress hold no device (`num_cpus=0`).
 
+    Resizing: deploy with `external_scaler_enabled: true` (`serve.run(...,
+    external_scaler_enabled=True)`); the coordinator then sets the pools' replica
+    counts. A stopping attention replica gets `autoscale.drain_timeout_s` plus
+    `_TEARDOWN_S` from Serve before it is killed, a stopping FFN replica
+    `autoscale.resize_timeout_s` (its destructor runs the FFN scale-in).
+
     Raises:
         pydantic.ValidationError: `args` does not fit `AFDConfig`; the message names
             the offending field (e.g. `attention.num_ranks`).
+        ValueError: `autoscale.policy` names a file that does not load; the message
+            names the field in that file.
     """
     cfg = AFDConfig.model_validate(args)
+    policy = _load_policy(cfg.autoscale.policy) if cfg.autoscale.policy else None
     key = resource_key(cfg.platform)
     coordinator = serve.deployment(Coordinator).options(
         name="coordinator",
         num_replicas=1,
+        # Resizes, draining members and joiners wait inside calls: never queue the
+        # members' polls and reports behind them.
+        max_ongoing_requests=_COORDINATOR_CALLS,
         ray_actor_options={"num_cpus": 0},
         # FFN ranks report counters several times a second: keep them out of the log.
         logging_config={"enable_access_log": False},
-    ).bind(cfg.platform, cfg.connector, cfg.ffn.num_ranks)
+    ).bind(cfg.platform, cfg.connector, cfg.attention, cfg.ffn, cfg.autoscale, policy)
     ffn = serve.deployment(FFNServer).options(
-        name="ffn",
+        name=FFN_DEPLOYMENT,
         num_replicas=cfg.ffn.num_ranks,
+        graceful_shutdown_timeout_s=cfg.autoscale.resize_timeout_s,
         ray_actor_options=dict(actor_resources(cfg.platform, cfg.ffn.bundle_resources)),
         placement_group_bundles=[{key: cfg.ffn.bundle_resources}],
         placement_group_strategy="STRICT_PACK",
     ).bind(cfg.platform, cfg.model, cfg.ffn, cfg.connector, cfg.gate_placement, coordinator)
     attention = serve.deployment(AttentionServer).options(
-        name="attention",
+        name=ATTENTION_DEPLOYMENT,
         num_replicas=cfg.attention.num_ranks,
+        graceful_shutdown_timeout_s=cfg.autoscale.drain_timeout_s + _TEARDOWN_S,
         max_ongoing_requests=cfg.attention.max_num_seqs,
         ray_actor_options=dict(actor_resources(cfg.platform, cfg.attention.bundle_resources)),
         placement_group_bundles=[{key: cfg.attention.bundle_resources}],
         placement_group_strategy="STRICT_PACK",
-    ).bind(cfg.model, cfg.attention, cfg.connector, cfg.gate_placement, coordinator)
+    ).bind(cfg.model, cfg.attention, cfg.connector, cfg.gate_placement, coordinator, cfg.autoscale)
     ingress = serve.deployment(Ingress).options(
         name="ingress",
         max_ongoing_requests=cfg.ingress.max_ongoing_requests,
         ray_actor_options={"num_cpus": 0},
     )
-    return ingress.bind(attention, coordinator, ffn)
+    return ingress.bind(attention, coordinator, ffn, cfg.attention, cfg.ffn)
+
+
+def _load_policy(path: str) -> AutoscalePolicy:
+    try:
+        return load_policy(path)
+    except (ValueError, OSError) as e:
+        raise ValueError(f"autoscale.policy: {e}") from e

@@ -9,24 +9,32 @@ their checks are exactly vLLM's. Every error leaves as an OpenAI error body,
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import AsyncIterator
 from http import HTTPStatus
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse, ModelList
-from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
-from vllm.entrypoints.serve.exception_handling.handlers.validation import clean_loc_for_param
+from vllm.entrypoints.serve.exception_handling.error_response import (
+    create_error_response,
+)
+from vllm.entrypoints.serve.exception_handling.handlers.validation import (
+    clean_loc_for_param,
+)
 from vllm.exceptions import VLLMError
 
 from afd_ray.attention.server import ChatChunk, CompletionChunk
+from afd_ray.config import AttentionPoolConfig, FFNPoolConfig
+from afd_ray.control.membership import ScaleRequest
 
 __all__ = ["Ingress", "app"]
 
@@ -98,9 +106,22 @@ async def _respond(answer: DeploymentResponseGenerator) -> Response:
 
 
 async def _events(first: str, rest: DeploymentResponseGenerator) -> AsyncIterator[str]:
+    """The SSE events of one stream; if the attention replica fails mid-stream (it
+    died, or was killed past its drain timeout), a final SSE error event (503) and
+    `[DONE]` instead of a cut connection."""
     yield first
-    async for event in rest:
-        yield event
+    try:
+        async for event in rest:
+            yield event
+    except Exception as exc:
+        logger.exception("stream failed", exc_info=exc)
+        error = ErrorInfo(
+            message=f"the attention rank serving this request failed ({type(exc).__name__}); retry it",
+            type="ServiceUnavailableError",
+            code=HTTPStatus.SERVICE_UNAVAILABLE,
+        )
+        yield f"data: {json.dumps(ErrorResponse(error=error).model_dump())}\n\n"
+        yield "data: [DONE]\n\n"
 
 
 @serve.ingress(app)
@@ -112,11 +133,19 @@ class Ingress:
         coordinator: handle to the `Coordinator` deployment.
         ffn: handle to the `FFNServer` deployment (the FFN pool), for health only;
             no request is ever routed there.
+        attention_pool, ffn_pool: the pools' resize bounds (`min_ranks`, `max_ranks`),
+            checked on `POST /afd/scale`.
     """
 
     def __init__(
-        self, attention: DeploymentHandle, coordinator: DeploymentHandle, ffn: DeploymentHandle
+        self,
+        attention: DeploymentHandle,
+        coordinator: DeploymentHandle,
+        ffn: DeploymentHandle,
+        attention_pool: AttentionPoolConfig,
+        ffn_pool: FFNPoolConfig,
     ) -> None:
+        self._bounds = {"attention": attention_pool, "ffn": ffn_pool}
         self._attention = attention
         self._attention_stream = attention.options(stream=True)
         self._coordinator = coordinator
@@ -144,7 +173,7 @@ class Ingress:
         try:
             await self._attention.check_health.remote()
             await self._ffn.check_health.remote()
-        except Exception:  # noqa: BLE001 - any failure means not healthy
+        except Exception:
             logger.exception("health check failed")
             return Response(status_code=HTTPStatus.SERVICE_UNAVAILABLE)
         return Response(status_code=HTTPStatus.OK)
@@ -156,3 +185,40 @@ class Ingress:
         """The coordinator's view of both pools (`AFDStatus`)."""
         status = await self._coordinator.status.remote()
         return JSONResponse(status.model_dump(mode="json"))
+
+    @app.post("/afd/scale", response_model=None)
+    async def afd_scale(self, request: Request) -> Response:
+        """Resize the pools to the body's `{"attention": int, "ffn": int}` and answer
+        once the new layout serves, with the `ResizeEvent` (200), or 504 with the
+        event if it did not complete. A body that does not fit, or a size outside
+        the pool's `min_ranks`..`max_ranks`, is a 400 naming the field. Pauses the
+        autoscaler until `POST /afd/autoscale/resume`."""
+        try:
+            body = await request.json()
+        except ValueError:
+            raise RequestValidationError([{"type": "json_invalid", "loc": ("body", 0), "msg": "invalid JSON"}])
+        try:
+            scale = ScaleRequest.model_validate(body)
+        except ValidationError as exc:
+            raise RequestValidationError([error | {"loc": ("body", *error["loc"])} for error in exc.errors()])
+        for field, pool in self._bounds.items():
+            value = getattr(scale, field)
+            if not pool.min_ranks <= value <= pool.upper:
+                error = ErrorInfo(
+                    message=f"{field}: {value} is outside [{pool.min_ranks}, {pool.upper}] "
+                    f"({field}.min_ranks, {field}.max_ranks of the deployment)",
+                    type="BadRequestError",
+                    param=field,
+                    code=HTTPStatus.BAD_REQUEST,
+                )
+                return _error_response(ErrorResponse(error=error))
+        event = await self._coordinator.scale.remote(scale)
+        status = HTTPStatus.OK if event.error is None else HTTPStatus.GATEWAY_TIMEOUT
+        return JSONResponse(event.model_dump(mode="json"), status_code=status)
+
+    @app.post("/afd/autoscale/resume", response_model=None)
+    async def afd_autoscale_resume(self) -> Response:
+        """Let the autoscaler resize the pools again after a manual resize."""
+        await self._coordinator.resume_autoscaler.remote()
+        status = await self._coordinator.status.remote()
+        return JSONResponse({"autoscale_paused": status.autoscale_paused})

@@ -1,0 +1,236 @@
+"""Resizing A:F while serving, through the real application under continuous load.
+
+A tiny random Qwen3-MoE (float32, 8 experts, so an FFN resize really reshards the
+experts) runs 1A:1F -> 2A:1F -> 2A:2F -> 1A:2F -> 1A:1F while three client threads
+stream greedy completions without pause. Every request must finish with exactly the
+tokens plain vLLM gives its prompt (none lost, cut, repeated or duplicated); each
+resize is reported with its epoch, members' states, longest FFN step-boundary pause
+and weight bytes loaded, and the client-side longest gap between two tokens during
+the resize is measured too.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+from ray import serve
+
+from afd_ray.cli import main as cli
+from afd_ray.models.tiny import build_tiny
+from afd_ray.serve.app import build_app
+
+NAME = "resize"
+PREFIX = f"/{NAME}"
+PROMPTS = ["The quick brown fox", "def main():", "Hello, my name is", "import os"]
+MAX_TOKENS = 12
+STREAMS = 3
+LAYOUTS = [(2, 1), (2, 2), (1, 2), (1, 1)]
+DRAIN_TIMEOUT_S = 5
+LONG_TOKENS = 480
+"""A request that outlives the drain timeout (about 20 ms per token here)."""
+
+
+def _plain_vllm_tokens(checkpoint: Path) -> list[list[int]]:
+    """Greedy tokens of plain vLLM (no AFD) for `PROMPTS`, in-process engine, the
+    first `MAX_TOKENS` of them; a last entry with `LONG_TOKENS` for `PROMPTS[0]`."""
+    from vllm import LLM, SamplingParams
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    try:
+        llm = LLM(str(checkpoint), dtype="float32", enforce_eager=True, max_model_len=512,
+                  kv_cache_memory_bytes=1 << 28)  # fmt: skip
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        tokens = [list(out.outputs[0].token_ids) for out in llm.generate(PROMPTS, params, use_tqdm=False)]
+        long = SamplingParams(temperature=0, max_tokens=LONG_TOKENS, ignore_eos=True)
+        (out,) = llm.generate(PROMPTS[:1], long, use_tqdm=False)
+        tokens.append(list(out.outputs[0].token_ids))
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+    finally:
+        del os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"]
+    return tokens
+
+
+@dataclass
+class _Result:
+    prompt: int
+    tokens: list[int] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+    """Arrival time of each token, monotonic seconds."""
+    error: str | None = None
+
+
+def _stream(http: httpx.Client, prompt: int, max_tokens: int = MAX_TOKENS) -> _Result:
+    """One streamed greedy completion of `PROMPTS[prompt]`."""
+    result = _Result(prompt)
+    body = {"model": "tiny", "prompt": PROMPTS[prompt], "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "return_token_ids": True}  # fmt: skip
+    with http.stream("POST", f"{PREFIX}/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            result.error = f"{response.status_code}: {response.read().decode()}"
+            return result
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line.removeprefix("data: "))
+            if "error" in event:
+                result.error = event["error"]["message"]
+                continue
+            ids = event["choices"][0].get("token_ids") or []
+            result.tokens += ids
+            result.times += [time.monotonic()] * len(ids)
+    return result
+
+
+class _Load:
+    """`STREAMS` threads that each stream completions back to back until `stop()`."""
+
+    def __init__(self, http: httpx.Client) -> None:
+        self.results: list[_Result] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(http, i)) for i in range(STREAMS)]
+        for thread in self._threads:
+            thread.start()
+
+    def _run(self, http: httpx.Client, stream: int) -> None:
+        n = stream
+        while not self._stop.is_set():
+            self.results.append(_stream(http, n % len(PROMPTS)))
+            n += STREAMS
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(300)
+
+    def max_gap_s(self, start: float, end: float) -> float:
+        """Longest time between two consecutive tokens of one request, among tokens
+        that arrived in `[start, end]` (monotonic seconds)."""
+        gaps = [b - a for r in self.results for a, b in zip(r.times, r.times[1:]) if start <= b <= end]
+        return max(gaps, default=0.0)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]]]:
+    path = Path(build_tiny("qwen3_moe", tmp_path_factory.mktemp("resize") / "qwen3_moe"))
+    return path, _plain_vllm_tokens(path)
+
+
+@pytest.fixture(scope="module")
+def http(serve_url: str, checkpoint: tuple[Path, list[list[int]]]) -> Iterator[httpx.Client]:
+    args = {
+        "model": {"source": str(checkpoint[0]), "served_name": "tiny", "max_model_len": 512},
+        "attention": {"num_ranks": 1, "max_ranks": 2, "kv_cache_gib": 0.25, "max_num_seqs": 8,
+                      "bundle_resources": 0.5},
+        "ffn": {"num_ranks": 1, "max_ranks": 2, "bundle_resources": 0.5},
+        "autoscale": {"drain_timeout_s": DRAIN_TIMEOUT_S},
+    }  # fmt: skip
+    serve.run(build_app(args), name=NAME, route_prefix=PREFIX, external_scaler_enabled=True)
+    try:
+        with httpx.Client(base_url=serve_url, timeout=600) as client:
+            yield client
+    finally:
+        serve.delete(NAME)
+
+
+def test_bad_scale_bodies_name_the_field(http: httpx.Client) -> None:
+    for body, param in [({"attention": 3, "ffn": 1}, "attention"), ({"attention": 1, "ffn": 0}, "ffn"),
+                        ({"attention": "two", "ffn": 1}, "attention"), ({"ffn": 1}, "attention"),
+                        ({"attention": 1, "ffn": 1, "extra": 1}, "extra")]:  # fmt: skip
+        response = http.post(f"{PREFIX}/afd/scale", json=body)
+        assert response.status_code == 400, (body, response.text)
+        assert response.json()["error"]["param"] == param, (body, response.text)
+
+
+def test_resizes_under_load_lose_no_request(
+    http: httpx.Client, checkpoint: tuple[Path, list[list[int]]], serve_url: str
+) -> None:
+    expected = checkpoint[1]
+    load = _Load(http)
+    report = []
+    try:
+        time.sleep(2)  # the load is running before the first resize
+        for attention, ffn in LAYOUTS:
+            start = time.monotonic()
+            if (attention, ffn) == LAYOUTS[0]:  # the CLI, once
+                assert cli(["scale", "--attention", "2", "--ffn", "1", "--url", serve_url + PREFIX]) == 0
+            else:
+                response = http.post(f"{PREFIX}/afd/scale", json={"attention": attention, "ffn": ffn})
+                assert response.status_code == 200, response.text
+            end = time.monotonic()
+            status = http.get(f"{PREFIX}/afd/status").json()
+            event = status["resizes"][-1]
+            assert event["error"] is None, event
+            assert (event["to_attention"], event["to_ffn"]) == (attention, ffn)
+            ready = [m for m in status["attention"] if m["state"] == "ready"]
+            assert len(ready) == attention, status["attention"]
+            assert all(m["state"] in ("ready", "gone") for m in status["attention"] + status["ffn"])
+            ffn_ready = [m for m in status["ffn"] if m["state"] == "ready"]
+            assert len(ffn_ready) == ffn and sorted(m["ep_rank"] for m in ffn_ready) == list(range(ffn))
+            assert all(m["epoch"] == ffn_ready[0]["epoch"] for m in ffn_ready)
+            peers = {m["rank"]: 0 for m in ffn_ready}
+            for m in ready:
+                peers[m["ffn_peer"]] += 1  # every attention rank peers with a serving FFN rank
+            assert max(peers.values()) - min(peers.values()) <= 1, peers  # balanced
+            assert status["autoscale_paused"] is True
+            report.append((f"{event['from_attention']}A:{event['from_ffn']}F -> {attention}A:{ffn}F",
+                           event["epoch"], event["duration_s"], event["pause_s"], event["bytes_loaded"],
+                           load.max_gap_s(start, end)))  # fmt: skip
+            time.sleep(1)
+    finally:
+        load.stop()
+    for row in report:
+        name, epoch, duration, pause, loaded, gap = row
+        print(f"resize {name}: epoch {epoch}, {duration:.1f} s, FFN pause {pause:.4f} s, {loaded} weight bytes loaded, max ITL {gap:.3f} s")
+    epochs = [row[1] for row in report]
+    # Only the FFN resizes (and the re-peering they bring) start new epochs; an
+    # attention rank joins or leaves under the current one.
+    assert epochs[0] == 0 and epochs[1] > epochs[0] and epochs[2] == epochs[1] and epochs[3] > epochs[2]
+    assert report[1][4] > 0 and report[3][4] > 0  # FFN resizes loaded expert shards
+    done = [r for r in load.results if r.error is None]
+    assert [r.error for r in load.results if r.error is not None] == []
+    assert len(done) >= 3 * len(LAYOUTS)
+    for r in done:
+        assert r.tokens == expected[r.prompt], f"prompt {r.prompt}: {r.tokens} != {expected[r.prompt]}"
+    response = http.post(f"{PREFIX}/afd/autoscale/resume")
+    assert response.json() == {"autoscale_paused": False}
+
+
+def test_requests_beyond_the_drain_timeout_end_with_a_clear_error(
+    http: httpx.Client, checkpoint: tuple[Path, list[list[int]]]
+) -> None:
+    """2A:1F -> 1A:1F while long requests run on both ranks: those on the removed rank
+    end, `DRAIN_TIMEOUT_S` later, with an SSE error event naming the drain timeout;
+    the others finish with plain vLLM's tokens. No request is lost or hangs."""
+    expected = checkpoint[1][-1]
+    assert http.post(f"{PREFIX}/afd/scale", json={"attention": 2, "ffn": 1}).status_code == 200
+    results: list[_Result] = []
+    threads = [threading.Thread(target=lambda: results.append(_stream(http, 0, LONG_TOKENS))) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    time.sleep(2)  # all six are decoding, spread over both attention ranks
+    response = http.post(f"{PREFIX}/afd/scale", json={"attention": 1, "ffn": 1})
+    assert response.status_code == 200, response.text
+    for thread in threads:
+        thread.join(300)
+    assert len(results) == 6
+    failed = [r for r in results if r.error is not None]
+    assert failed, "no request ran on the removed attention rank"
+    for r in failed:
+        assert "drain timeout" in r.error, r.error
+        assert r.tokens == expected[: len(r.tokens)]  # what it got is right, nothing repeated
+    for r in results:
+        if r.error is None:
+            assert r.tokens == expected
+    status = http.get(f"{PREFIX}/afd/status").json()
+    assert [m["state"] for m in status["attention"]].count("ready") == 1
