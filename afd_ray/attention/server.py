@@ -177,7 +177,10 @@ class AttentionServer:
             await asyncio.sleep(_WATCH_PERIOD_S)
             directive = await self._coordinator.attention_poll.remote(self.rank)
             if directive.assignment.epoch > self._assignment.epoch:
-                await self._repeer(directive.assignment)
+                try:
+                    await self._repeer(directive.assignment)
+                except Exception:  # logged; the next poll retries
+                    logger.exception("attention rank %d: re-peering failed", self.rank)
             if directive.state is MemberState.DRAINING and not draining:
                 draining = True
                 logger.info("attention rank %d draining for up to %.0f s", self.rank, self._drain_timeout_s)

@@ -419,6 +419,7 @@ class Coordinator:
             )
             async with self._layout_lock:
                 await self._rebalance(self._layout)
+            await self._serve_routes(ATTENTION_DEPLOYMENT, request.attention, wait_s)
         if request.ffn != self._targets[FFN_DEPLOYMENT]:
             grow = request.ffn > len(self._layout)
             self._targets[FFN_DEPLOYMENT] = request.ffn
@@ -431,6 +432,19 @@ class Coordinator:
                     await self._rebalance(ranks)
             else:
                 await self._wait(lambda: len(self._layout) == request.ffn and self._plan is None, wait_s)
+
+    async def _serve_routes(self, deployment: str, num_replicas: int, wait_s: float) -> None:
+        """Until Serve runs exactly `num_replicas` replicas of `deployment` (new ones
+        RUNNING, so routed to; stopped ones gone).
+
+        Raises:
+            TimeoutError: not within `wait_s` seconds.
+        """
+        deadline = time.monotonic() + wait_s
+        while list((await replica_states(self._app, deployment)).values()) != ["RUNNING"] * num_replicas:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"Serve did not run {num_replicas} {deployment} replicas within {wait_s} s")
+            await asyncio.sleep(_WATCH_PERIOD_S / 2)
 
     def _joining(self) -> tuple[int, ...]:
         """FFN ranks registered (STARTING) and not yet in a layout."""

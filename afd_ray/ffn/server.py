@@ -11,6 +11,7 @@ destructor waits until the coordinator moved its peers and experts elsewhere.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections import defaultdict
 from datetime import timedelta
@@ -40,6 +41,8 @@ from afd_ray.models.embedded import resolve_checkpoint
 from afd_ray.platform import collective_backend, torch_device
 
 __all__ = ["FFNServer"]
+
+logger = logging.getLogger("ray.serve")
 
 _REPORT_PERIOD_S = 0.2
 _STOP_POLL_S = 0.1
@@ -124,7 +127,8 @@ class FFNServer:
             )
             if plan is not None and plan.epoch > self._preparing:
                 self._preparing = plan.epoch
-                asyncio.create_task(self._prepare(plan))
+                self._preparation = asyncio.create_task(self._prepare(plan))
+                self._preparation.add_done_callback(_log_failure)
             await asyncio.sleep(_REPORT_PERIOD_S)
 
     async def _prepare(self, plan: LayoutPlan) -> None:
@@ -182,3 +186,10 @@ def _is_moe(stack: FFNStack) -> bool:
 
 def _param_bytes(stack: FFNStack) -> int:
     return sum(p.numel() * p.element_size() for p in stack.parameters())
+
+
+def _log_failure(task: asyncio.Task) -> None:
+    """Log why preparing a layout failed (the coordinator's resize then times out with
+    an error in its event)."""
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("FFN layout preparation failed", exc_info=task.exception())

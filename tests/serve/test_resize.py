@@ -35,8 +35,9 @@ MAX_TOKENS = 12
 STREAMS = 3
 LAYOUTS = [(2, 1), (2, 2), (1, 2), (1, 1)]
 DRAIN_TIMEOUT_S = 5
-LONG_TOKENS = 480
-"""A request that outlives the drain timeout (about 20 ms per token here)."""
+MAX_MODEL_LEN = 1024
+LONG_TOKENS = 1000
+"""A request that outlives the drain timeout (10-20 ms per token here)."""
 
 
 def _plain_vllm_tokens(checkpoint: Path) -> list[list[int]]:
@@ -46,7 +47,7 @@ def _plain_vllm_tokens(checkpoint: Path) -> list[list[int]]:
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     try:
-        llm = LLM(str(checkpoint), dtype="float32", enforce_eager=True, max_model_len=512,
+        llm = LLM(str(checkpoint), dtype="float32", enforce_eager=True, max_model_len=MAX_MODEL_LEN,
                   kv_cache_memory_bytes=1 << 28)  # fmt: skip
         params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
         tokens = [list(out.outputs[0].token_ids) for out in llm.generate(PROMPTS, params, use_tqdm=False)]
@@ -126,14 +127,36 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[lis
     return path, _plain_vllm_tokens(path)
 
 
+POLICY = """
+attention:
+  min_ranks: 1
+  max_ranks: 2
+  scale_out_after_s: 5
+  scale_in_after_s: 3600
+  scale_in_cooldown_s: 3600
+  signals:
+    running_per_rank: {scale_out: 1.5, scale_in: 0.1}
+ffn:
+  min_ranks: 1
+  max_ranks: 2
+"""
+"""Grows the attention pool once more than 1.5 requests per rank run for 5 s; never
+shrinks it, never changes the FFN pool (no FFN signal)."""
+
+
 @pytest.fixture(scope="module")
-def http(serve_url: str, checkpoint: tuple[Path, list[list[int]]]) -> Iterator[httpx.Client]:
+def http(
+    serve_url: str, checkpoint: tuple[Path, list[list[int]]], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[httpx.Client]:
+    policy = tmp_path_factory.mktemp("policy") / "autoscale.yaml"
+    policy.write_text(POLICY)
     args = {
-        "model": {"source": str(checkpoint[0]), "served_name": "tiny", "max_model_len": 512},
+        "model": {"source": str(checkpoint[0]), "served_name": "tiny", "max_model_len": MAX_MODEL_LEN},
         "attention": {"num_ranks": 1, "max_ranks": 2, "kv_cache_gib": 0.25, "max_num_seqs": 8,
                       "bundle_resources": 0.5},
         "ffn": {"num_ranks": 1, "max_ranks": 2, "bundle_resources": 0.5},
-        "autoscale": {"drain_timeout_s": DRAIN_TIMEOUT_S},
+        "autoscale": {"drain_timeout_s": DRAIN_TIMEOUT_S, "enabled": True, "policy": str(policy),
+                      "interval_s": 1},
     }  # fmt: skip
     serve.run(build_app(args), name=NAME, route_prefix=PREFIX, external_scaler_enabled=True)
     try:
@@ -218,7 +241,8 @@ def test_requests_beyond_the_drain_timeout_end_with_a_clear_error(
     threads = [threading.Thread(target=lambda: results.append(_stream(http, 0, LONG_TOKENS))) for _ in range(6)]
     for thread in threads:
         thread.start()
-    time.sleep(2)  # all six are decoding, spread over both attention ranks
+        time.sleep(0.2)  # Serve's router spreads them over both attention ranks
+    time.sleep(1)  # all six are decoding
     response = http.post(f"{PREFIX}/afd/scale", json={"attention": 1, "ffn": 1})
     assert response.status_code == 200, response.text
     for thread in threads:
@@ -234,3 +258,28 @@ def test_requests_beyond_the_drain_timeout_end_with_a_clear_error(
             assert r.tokens == expected
     status = http.get(f"{PREFIX}/afd/status").json()
     assert [m["state"] for m in status["attention"]].count("ready") == 1
+
+
+def test_autoscaler_grows_the_attention_pool_under_load(
+    http: httpx.Client, checkpoint: tuple[Path, list[list[int]]]
+) -> None:
+    """After `resume`, the coordinator's autoscaler (the `POLICY` above, evaluated every
+    second) resizes 1A:1F -> 2A:1F on its own under three concurrent streams, with the
+    policy's reason; requests stay exact."""
+    assert http.post(f"{PREFIX}/afd/autoscale/resume").json() == {"autoscale_paused": False}
+    before = len(http.get(f"{PREFIX}/afd/status").json()["resizes"])
+    load = _Load(http)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            status = http.get(f"{PREFIX}/afd/status").json()
+            if len(status["resizes"]) > before:
+                break
+            time.sleep(1)
+    finally:
+        load.stop()
+    (event,) = status["resizes"][before:]
+    assert event["error"] is None and (event["to_attention"], event["to_ffn"]) == (2, 1), event
+    assert "running_per_rank" in event["reason"], event["reason"]
+    assert [m["state"] for m in status["attention"]].count("ready") == 2
+    assert all(r.error is None and r.tokens == checkpoint[1][r.prompt] for r in load.results)
