@@ -31,6 +31,17 @@ cancelled from the same process (gloo's `abort()`/`shutdown()` do not wake it, a
 gloo wait that times out closes the pair); it ends when its data arrives, when the
 peer closes or dies (gloo reports "connection closed by peer" at once), or after
 `timeout_s`. Rule 3 keeps every posted receive short.
+
+CUDA (`nccl`): every data-plane call returns at once on the host; it is queued on the
+pair group's NCCL stream after the work already queued on the caller's current CUDA
+stream, and `Work.wait()` makes the caller's current stream wait for it (no host wait).
+The `isend_*`/`irecv_*` variants return that `Work` so that a caller can overlap it with
+compute, and can be captured in a CUDA graph (after one eager call has created the NCCL
+communicator); headers stay on the ZeroMQ socket, outside any graph. A pair may open
+`ubatch_groups` > 1 process groups, one per micro-batch (`afd_ray.connector.ubatch`):
+each has its own NCCL stream, so the transfers of one ubatch never queue behind those
+of the other. The ops of one group run in order on one stream, so a receive queued
+before a send of the same group deadlocks on NCCL: send A2F first, then receive F2A.
 """
 
 from __future__ import annotations
@@ -73,6 +84,18 @@ def _pair_prefix(peer: int, epoch: int) -> str:
     return f"afd/pair/{peer}/{epoch}"
 
 
+def _ubatch_groups(
+    backend: str, store: dist.Store, prefix: str, rank: int, timeout_s: float, count: int
+) -> list[dist.ProcessGroup]:
+    """The pair groups of micro-batches 1..count-1 (group 0 is the pair group itself)."""
+    if count < 1:
+        raise ValueError(f"ubatch_groups must be >= 1, got {count}")
+    return [
+        new_process_group(backend, dist.PrefixStore(f"{prefix}/ubatch{u}", store), rank, 2, timeout_s)
+        for u in range(1, count)
+    ]
+
+
 class AttentionChannel:
     """Attention side of one attention↔FFN pair.
 
@@ -82,13 +105,22 @@ class AttentionChannel:
         epoch: membership epoch of the assignment.
         backend: `gloo` | `nccl` | `hccl`.
         timeout_s: bound on rendezvous and on every receive, seconds.
+        ubatch_groups: pair process groups, one per micro-batch (DBO); the FFN side
+            must open as many.
 
     Raises:
         RuntimeError / DistStoreError: the FFN did not open the pair within `timeout_s`.
+        ValueError: `ubatch_groups` < 1.
     """
 
     def __init__(
-        self, address: FFNAddress, peer: int, epoch: int, backend: str, timeout_s: float
+        self,
+        address: FFNAddress,
+        peer: int,
+        epoch: int,
+        backend: str,
+        timeout_s: float,
+        ubatch_groups: int = 1,
     ) -> None:
         self.peer = peer
         self.epoch = epoch
@@ -106,6 +138,10 @@ class AttentionChannel:
             backend, dist.PrefixStore(_pair_prefix(peer, epoch), store), 1, 2, timeout_s
         )
         self._store = store
+        self._backend = backend
+        self._ubatch_pgs = [self._pg] + _ubatch_groups(
+            backend, store, _pair_prefix(peer, epoch), 1, timeout_s, ubatch_groups
+        )
 
     def send_header(self, num_tokens: int) -> StepHeader:
         """Announce a step of `num_tokens` rows; call before its first `send_a2f`."""
@@ -123,8 +159,22 @@ class AttentionChannel:
         self._pg.recv([out], 0, _F2A_TAG).wait()
         return out
 
+    def isend_a2f(self, hidden: torch.Tensor, ubatch: int = 0) -> dist.Work:
+        """Queue `hidden` `[T, H]` (model dtype, contiguous) to the FFN peer on the pair
+        group of micro-batch `ubatch`; `hidden` must stay unchanged until the `Work`
+        is waited on."""
+        return self._ubatch_pgs[ubatch].send([hidden], 0, _A2F_TAG)
+
+    def irecv_f2a(self, out: torch.Tensor, ubatch: int = 0) -> dist.Work:
+        """Queue the receive of the FFN output `[T, H]` of micro-batch `ubatch` into
+        `out` (a preallocated buffer, e.g. from `afd_ray.connector.buffers`)."""
+        return self._ubatch_pgs[ubatch].recv([out], 0, _F2A_TAG)
+
     def exchange(
-        self, hidden: torch.Tensor, topk: tuple[torch.Tensor, torch.Tensor] | None = None
+        self,
+        hidden: torch.Tensor,
+        topk: tuple[torch.Tensor, torch.Tensor] | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """A2F then F2A for one layer: returns the FFN output, shape and dtype of `hidden`.
 
@@ -132,10 +182,19 @@ class AttentionChannel:
             hidden: `[T, H]` model dtype.
             topk: with `gate_on_attention`, the routing of `hidden`: ids `[T, k]`
                 int64 and weights `[T, k]` float32, sent after it.
+            out: preallocated `[T, H]` receive buffer; None allocates one.
 
-        The F2A receive is posted before the A2F sends, so the FFN never waits on us.
+        With gloo the F2A receive is posted before the A2F sends, so the FFN never
+        waits on us; with NCCL it is queued after them (same stream, see above).
         """
-        out = torch.empty_like(hidden)
+        out = torch.empty_like(hidden) if out is None else out
+        if self._backend != "gloo":
+            self._pg.send([hidden.contiguous()], 0, _A2F_TAG).wait()
+            if topk is not None:
+                for tensor, tag in zip(topk, (_TOPK_IDS_TAG, _TOPK_WEIGHTS_TAG), strict=True):
+                    self._pg.send([tensor.contiguous()], 0, tag).wait()
+            self._pg.recv([out], 0, _F2A_TAG).wait()
+            return out
         recv = self._pg.recv([out], 0, _F2A_TAG)
         self._pg.send([hidden.contiguous()], 0, _A2F_TAG).wait()
         if topk is not None:
@@ -153,7 +212,8 @@ class AttentionChannel:
             logger.warning("attention rank %d: LEAVE not sent, FFN peer unreachable", self.peer)
         self._push.close(linger=_LEAVE_LINGER_MS)
         self._zmq.term()
-        self._pg.shutdown()
+        for pg in self._ubatch_pgs:
+            pg.shutdown()
 
 
 class FFNChannel:
@@ -164,10 +224,21 @@ class FFNChannel:
         backend: `gloo` | `nccl` | `hccl`.
         timeout_s: bound on pair rendezvous and on every data-plane receive, seconds.
         epoch: membership epoch this rank serves.
+        ubatch_groups: pair process groups per peer, one per micro-batch (DBO); each
+            attention peer must open as many.
+
+    Raises:
+        ValueError: `ubatch_groups` < 1.
     """
 
-    def __init__(self, host: str, backend: str, timeout_s: float, epoch: int = 0) -> None:
+    def __init__(
+        self, host: str, backend: str, timeout_s: float, epoch: int = 0, ubatch_groups: int = 1
+    ) -> None:
+        if ubatch_groups < 1:
+            raise ValueError(f"ubatch_groups must be >= 1, got {ubatch_groups}")
         self.epoch = epoch
+        self._ubatch_groups = ubatch_groups
+        self._ubatch_pairs: dict[int, list[dist.ProcessGroup]] = {}
         self._backend = backend
         self._timeout_s = timeout_s
         self._store = dist.TCPStore(
@@ -214,19 +285,38 @@ class FFNChannel:
             RuntimeError / DistStoreError: the peer did not rendezvous within the timeout.
         """
         self.remove(peer)  # a re-JOIN replaces the peer's older pairing
-        prefix = dist.PrefixStore(_pair_prefix(peer, self._peer_epochs[peer]), self._store)
+        epoch = self._peer_epochs[peer]
+        prefix = dist.PrefixStore(_pair_prefix(peer, epoch), self._store)
         self._pairs[peer] = new_process_group(self._backend, prefix, 0, 2, self._timeout_s)
+        self._ubatch_pairs[peer] = _ubatch_groups(
+            self._backend, self._store, _pair_prefix(peer, epoch), 0, self._timeout_s, self._ubatch_groups
+        )
 
     def remove(self, peer: int) -> None:
         """Close the pair group of `peer` (after its LEAVE, or on its failure)."""
         pair = self._pairs.pop(peer, None)
         if pair is not None:
             pair.shutdown()
+        for group in self._ubatch_pairs.pop(peer, []):
+            group.shutdown()
 
     def recv_a2f(self, peer: int, out: torch.Tensor) -> torch.Tensor:
         """Receive `[T, H]` from `peer` into `out` and return it."""
         self._pairs[peer].recv([out], 1, _A2F_TAG).wait()
         return out
+
+    def _group(self, peer: int, ubatch: int) -> dist.ProcessGroup:
+        return self._pairs[peer] if ubatch == 0 else self._ubatch_pairs[peer][ubatch - 1]
+
+    def irecv_a2f(self, peer: int, out: torch.Tensor, ubatch: int = 0) -> dist.Work:
+        """Queue the receive of micro-batch `ubatch`'s `[T, H]` from `peer` into `out`
+        (a preallocated buffer); wait on the `Work` before reading `out`."""
+        return self._group(peer, ubatch).recv([out], 1, _A2F_TAG)
+
+    def isend_f2a(self, peer: int, out: torch.Tensor, ubatch: int = 0) -> dist.Work:
+        """Queue the FFN output `[T, H]` (contiguous) of micro-batch `ubatch` back to
+        `peer`; `out` must stay unchanged until the `Work` is waited on."""
+        return self._group(peer, ubatch).send([out], 1, _F2A_TAG)
 
     def recv_topk(self, peer: int, ids: torch.Tensor, weights: torch.Tensor) -> None:
         """With `gate_on_attention`: receive the routing of the rows of the last
