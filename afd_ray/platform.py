@@ -1,23 +1,55 @@
-"""Platform-specific choices that the Ray side needs: the resource key of a pool
-member's bundle and how a replica actor claims it."""
+"""What differs between the platforms `cpu`, `cuda` and `npu`, in one table: the torch
+device type, the collective backend of the connector and EP groups, the Ray resource
+key of a pool member's bundle, and the environment variable that limits a process to
+its devices. Nothing else in the code branches on the platform name.
+
+The NPU row follows torch-npu and Ray's NPU accelerator support; it is unverified (no
+NPU to run on). It needs `torch_npu` imported before its device or backend is used.
+"""
 
 from __future__ import annotations
 
-from typing import TypedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 
-from afd_ray.config import Platform
+if TYPE_CHECKING:
+    from afd_ray.config import Platform
 
 __all__ = [
     "ActorResources",
+    "PlatformSpec",
     "actor_resources",
     "collective_backend",
+    "platform_spec",
     "resource_key",
     "torch_device",
+    "visible_devices_env",
 ]
 
-_RESOURCE_KEYS: dict[Platform, str] = {"cpu": "CPU", "cuda": "GPU", "npu": "NPU"}
+
+@dataclass(frozen=True)
+class PlatformSpec:
+    """How one platform is named by torch, torch.distributed and Ray."""
+
+    device_type: str
+    """torch device type: `cpu`, `cuda` or `npu`."""
+    backend: str
+    """torch process-group backend: `gloo`, `nccl` or `hccl`."""
+    resource_key: str
+    """Ray resource key of one device: `CPU`, `GPU` or `NPU`."""
+    visible_devices: str | None
+    """Environment variable listing the device indices a process may use, which Ray
+    sets for an actor that claims the resource (`CUDA_VISIBLE_DEVICES`,
+    `ASCEND_RT_VISIBLE_DEVICES`); None for CPU."""
+
+
+_PLATFORMS: dict[Platform, PlatformSpec] = {
+    "cpu": PlatformSpec("cpu", "gloo", "CPU", None),
+    "cuda": PlatformSpec("cuda", "nccl", "GPU", "CUDA_VISIBLE_DEVICES"),
+    "npu": PlatformSpec("npu", "hccl", "NPU", "ASCEND_RT_VISIBLE_DEVICES"),
+}
 
 
 class ActorResources(TypedDict, total=False):
@@ -28,9 +60,14 @@ class ActorResources(TypedDict, total=False):
     resources: dict[str, float]
 
 
+def platform_spec(platform: Platform) -> PlatformSpec:
+    """The row of `platform` (`cpu`, `cuda` or `npu`)."""
+    return _PLATFORMS[platform]
+
+
 def resource_key(platform: Platform) -> str:
     """The Ray resource key of one device of `platform`: `CPU`, `GPU` or `NPU`."""
-    return _RESOURCE_KEYS[platform]
+    return _PLATFORMS[platform].resource_key
 
 
 def actor_resources(platform: Platform, amount: float) -> ActorResources:
@@ -38,7 +75,8 @@ def actor_resources(platform: Platform, amount: float) -> ActorResources:
 
     A replica with `placement_group_bundles` runs in the first bundle, so it must
     ask for exactly that bundle. Ray spells CPU and GPU as `num_cpus`/`num_gpus`
-    (which also sets `CUDA_VISIBLE_DEVICES`) and any other key under `resources`.
+    (which also sets `CUDA_VISIBLE_DEVICES`) and any other key under `resources`
+    (for `NPU` Ray sets `ASCEND_RT_VISIBLE_DEVICES`).
     """
     key = resource_key(platform)
     if key == "CPU":
@@ -48,14 +86,17 @@ def actor_resources(platform: Platform, amount: float) -> ActorResources:
     return {"num_cpus": 0, "resources": {key: amount}}
 
 
-_BACKENDS: dict[Platform, str] = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
-
-
 def collective_backend(platform: Platform) -> str:
-    """The torch process-group backend of the connector: gloo, nccl or hccl."""
-    return _BACKENDS[platform]
+    """The torch process-group backend of the connector and EP groups: gloo, nccl or hccl."""
+    return _PLATFORMS[platform].backend
 
 
 def torch_device(platform: Platform) -> torch.device:
     """The torch device of a pool member (its Ray actor sees only its own devices)."""
-    return torch.device({"cpu": "cpu", "cuda": "cuda", "npu": "npu"}[platform])
+    return torch.device(_PLATFORMS[platform].device_type)
+
+
+def visible_devices_env(platform: Platform) -> str | None:
+    """The environment variable that limits a process to some devices of `platform`
+    (`CUDA_VISIBLE_DEVICES`, `ASCEND_RT_VISIBLE_DEVICES`), or None for CPU."""
+    return _PLATFORMS[platform].visible_devices

@@ -1,19 +1,30 @@
-"""Expert parallelism among FFN ranks: step agreement, MoE dispatch and combine.
+"""Expert parallelism among FFN ranks: step agreement, then each MoE layer over the
+EP group with static shapes.
 
 FFN ranks of one EP group run every step together (lockstep): before a step they
 all-reduce their local token counts (`agree`), and every rank, even one with no
-local tokens, then runs every layer, because each MoE layer needs all of them in
-two all-to-alls:
+local tokens, then runs every layer with the same row count B (each pads its rows to
+B, at least the largest local count), because each MoE layer needs all of them in two
+collectives (vLLM's `allgather_reducescatter` all2all backend):
 
-1. dispatch: each (token, k) row goes to the EP rank owning its expert, with its
-   expert id and routing weight (splits may be uneven or empty);
-2. the owner computes its experts on what it received (`MoE.experts`);
-3. combine: rows return to their source rank, which sums each token's k rows in
-   float32 in the same order as the single-rank `MoE.forward`, then adds the
-   replicated shared experts.
+1. all-gather: every rank gets the `[B, H]` rows and the top-k ids and weights of
+   every EP rank, `[P*B, ...]`;
+2. each rank computes its own experts on all `P*B*k` (token, expert) rows
+   (`Experts.forward` gives zeros for experts it does not own) and sums each token's
+   k rows in float32;
+3. reduce-scatter (sum): each rank gets back its own B tokens, summed over the EP
+   ranks in float32, then adds the replicated shared experts.
+
+Shapes depend on B alone, with no host synchronization, so a layer can be captured
+in a CUDA graph per B (`afd_ray.ffn.graphs`). The traffic is `(P-1)*B*(H*dtype +
+k*12)` bytes in and `(P-1)*B*H*4` out per rank and layer, against about `B*k*H*dtype`
+each way for an all-to-all dispatch of only the routed rows; at decode sizes both are
+latency-bound, and the all-to-all needs its split sizes on the host.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -31,65 +42,80 @@ class EPGroup:
     Args:
         group: process group over the EP ranks (gloo | nccl | hccl).
         num_experts: routed experts per MoE layer (same placement every layer).
-        device: device of the FFN model.
+        device: device of the FFN model (the collectives' tensors live there).
+
+    Raises:
+        ValueError: more EP ranks than experts (`placement.expert_owner`).
     """
 
     def __init__(self, group: dist.ProcessGroup, num_experts: int, device: torch.device) -> None:
         self.group = group
         self.rank = group.rank()
         self.size = group.size()
-        self._owner = torch.tensor(expert_owner(num_experts, self.size), device=device)  # [E]
+        expert_owner(num_experts, self.size)
         self._device = device
+        self.step_tokens: tuple[int, ...] = (0,) * self.size
+        """Local token count of every EP rank in the step of the last `agree()`; every
+        rank pads its rows to at least `max(step_tokens)` for that step."""
         self.all_ready = False
-        """Whether every EP rank passed `ready=True` to the last `agree()`."""
+        """Whether every EP rank passed `ready=True` to the last `agree()`: the group
+        switches to its next layout after that step (`afd_ray.ffn.runtime`)."""
 
     def agree(self, local_tokens: int, ready: bool = False) -> int:
         """Sum of every EP rank's token count for the next step (0: nobody steps).
 
-        One all-reduce of `[local_tokens, ready]`; it also sets `all_ready`: whether
-        every EP rank passed `ready=True` (the group then switches to its next
-        layout after this step, `afd_ray.ffn.runtime`).
+        One all-reduce of a `[P+1]` int64 vector (this rank's count at its rank, its
+        `ready` flag added at P), then a host read; it also sets `step_tokens` and
+        `all_ready`.
         """
-        count = torch.tensor([local_tokens, int(ready)], dtype=torch.int64)
-        self.group.allreduce([count]).wait()
-        self.all_ready = int(count[1]) == self.size
-        return int(count[0])
+        counts = torch.zeros(self.size + 1, dtype=torch.int64, device=self._device)  # [P+1]
+        counts[self.rank] = local_tokens
+        counts[self.size] = int(ready)
+        self.group.allreduce([counts]).wait()
+        *tokens, num_ready = counts.tolist()
+        self.step_tokens = tuple(tokens)
+        self.all_ready = num_ready == self.size
+        return sum(self.step_tokens)
 
-    def _all_to_all(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
-        recv = send.new_empty((sum(recv_splits), *send.shape[1:]))
-        self.group.alltoall_base(recv, send, recv_splits, send_splits).wait()
-        return recv
+    def _all_gather(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Every EP rank's rows of several tensors in one all-gather: each `[B, ...]`
+        in, each `[P*B, ...]` out (rank r's rows at `[r*B, (r+1)*B)`), same dtypes."""
+        rows = parts[0].shape[0]
+        flat = [part.reshape(rows, math.prod(part.shape[1:])).view(torch.uint8) for part in parts]  # [B, bytes_i]
+        send = torch.cat(flat, dim=1)  # [B, Σ bytes_i]
+        recv = send.new_empty(self.size * rows, send.shape[1])  # [P*B, Σ bytes_i]
+        self.group._allgather_base(recv, send).wait()
+        gathered = []
+        for part, piece in zip(parts, recv.split([f.shape[1] for f in flat], dim=1), strict=True):
+            gathered.append(piece.contiguous().view(part.dtype).view(self.size * rows, *part.shape[1:]))
+        return gathered
 
     def moe(self, moe: MoE, hidden: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """The MoE layer over the EP group for this rank's tokens.
+        """The MoE layer over the EP group for this rank's (padded) rows.
+
+        Every EP rank must call this for the same layer with the same row count B
+        (`hidden.shape[0]`); padding rows may hold any finite values, their outputs
+        are to be dropped by the caller.
 
         Args:
             moe: the layer, holding this rank's experts (block `expert_owner` gives it).
-            hidden: `[N, H]` this rank's rows (N may be 0), model dtype.
-            routing: `moe.route(hidden)`: ids `[N, k]` int64, weights `[N, k]` float32.
+            hidden: `[B, H]` this rank's rows, model dtype.
+            routing: ids `[B, k]` int64 and weights `[B, k]` float32 of those rows
+                (`moe.route(hidden)`, or received with `gate_on_attention`).
 
         Returns:
-            `[N, H]`, model dtype: what the full MoE returns for `hidden`.
+            `[B, H]`, model dtype: what the full MoE returns for `hidden`, except that a
+            token's routed rows are summed per owning rank first (float32), so sums may
+            differ from `MoE.forward` in the last float32 bit.
         """
-        num_tokens, hidden_size = hidden.shape
+        rows_per_rank, hidden_size = hidden.shape
         top_k = routing.ids.shape[1]
-        dest = self._owner[routing.ids.flatten()]  # [N*k] owner rank of each row
-        order = torch.argsort(dest, stable=True)  # [N*k] rows grouped by owner
-        send_splits = torch.bincount(dest, minlength=self.size)  # [P]
-        recv_splits = torch.empty_like(send_splits)
-        self.group.alltoall_base(recv_splits, send_splits, [1] * self.size, [1] * self.size).wait()
-        send_splits, recv_splits = send_splits.tolist(), recv_splits.tolist()
-
-        token_of_row = order // top_k  # [N*k] source token of each sorted row
-        rows = self._all_to_all(hidden[token_of_row], send_splits, recv_splits)  # [M, H]
-        ids = self._all_to_all(routing.ids.flatten()[order], send_splits, recv_splits)  # [M]
-        weights = self._all_to_all(routing.weights.flatten()[order], send_splits, recv_splits)  # [M]
-        out = moe.experts(rows, ids, weights)  # [M, H]
-        back = self._all_to_all(out, recv_splits, send_splits)  # [N*k, H], sorted by owner
-
-        unsorted = torch.empty_like(back)
-        unsorted[order] = back  # [N*k, H]; row t*k+j is token t's j-th expert
-        combined = unsorted.view(num_tokens, top_k, hidden_size).sum(dim=1, dtype=torch.float32)  # [N, H]
+        all_hidden, all_ids, all_weights = self._all_gather([hidden, routing.ids, routing.weights])  # [P*B, ...]
+        rows = all_hidden.unsqueeze(1).expand(-1, top_k, -1).reshape(-1, hidden_size)  # [P*B*k, H]
+        out = moe.experts(rows, all_ids.flatten(), all_weights.flatten())  # [P*B*k, H]; 0 where not owned
+        partial = out.view(-1, top_k, hidden_size).sum(dim=1, dtype=torch.float32)  # [P*B, H]
+        combined = partial.new_empty(rows_per_rank, hidden_size)  # [B, H] float32
+        self.group._reduce_scatter_base(combined, partial).wait()  # sum over EP ranks
         shared = moe.shared(hidden)
         if shared is not None:
             combined += shared

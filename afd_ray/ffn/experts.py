@@ -55,9 +55,14 @@ class Experts(nn.Module):
             gives the full MoE's rows.
 
         The rows are sorted by expert and run as two `torch.nn.functional.grouped_mm`
-        (one per projection), with no host synchronization. On CPU (torch 2.13, any
-        float dtype) this is as fast as a Python loop over the experts that have rows;
-        on CUDA, torch documents grouped_mm for bfloat16 on SM >= 80 only.
+        (one per projection). On CPU (torch 2.13, any float dtype) this is as fast as a
+        Python loop over the experts that have rows. On CUDA, bfloat16 on SM 9.x/10.x
+        runs torch's CUTLASS grouped GEMM with no host synchronization, so the layer
+        can be captured in a CUDA graph; it needs 16-byte aligned strides (H and I
+        multiples of 8) and takes groups of any size, empty ones too (the int32 `offs`
+        are group ends; rows past the last end are left undefined and masked here).
+        Other dtypes or GPUs take torch's fallback, a loop over groups that copies
+        `offs` to the host (correct, not capturable).
         """
         num_local = len(self.owned)
         local = expert_ids - self.owned.start  # [N]

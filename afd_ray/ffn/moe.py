@@ -79,7 +79,8 @@ class MoE(nn.Module):
         num_tokens, hidden_size = hidden.shape
         routing = self.route(hidden) if routing is None else routing
         top_k = routing.ids.shape[1]
-        rows = hidden.repeat_interleave(top_k, dim=0)  # [T*k, H]; row t*k+j is token t's j-th expert
+        # [T*k, H]; row t*k+j is token t's j-th expert
+        rows = hidden.unsqueeze(1).expand(-1, top_k, -1).reshape(-1, hidden_size)
         out = self.experts(rows, routing.ids.flatten(), routing.weights.flatten())  # [T*k, H]
         out = out.view(num_tokens, top_k, hidden_size).sum(dim=1, dtype=torch.float32)  # [T, H]
         shared = self.shared(hidden)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -24,9 +25,9 @@ import torch
 from afd_ray.connector.channel import FFNChannel
 from afd_ray.connector.header import HeaderKind, StepHeader
 from afd_ray.ffn.ep import EPGroup
+from afd_ray.ffn.graphs import DEFAULT_BUCKETS, FFNGraphs, graphs_supported
 from afd_ray.ffn.model import FFNStack
 from afd_ray.ffn.moe import MoE
-from afd_ray.ffn.routing import Routing
 
 __all__ = ["FFNRuntime", "FFNStats", "LayoutSwitch"]
 
@@ -83,7 +84,14 @@ class FFNRuntime:
     `afd_ray.ffn.ep`): after forming its local step it all-reduces its token count
     with the others, and runs the layers, with no local rows if need be, whenever any
     rank has tokens. While idle it checks in every `poll_s`, which then bounds how
-    long a busy rank waits for an idle one.
+    long a busy rank waits for an idle one. Every EP rank pads its rows to the same
+    count, at least the largest local one (`EPGroup.moe`).
+
+    Compute runs through `FFNGraphs`, built at the first step of each layout (with
+    EP every rank of the group is in that step): on CUDA (`graphs.graphs_supported`)
+    it captures every layer as a CUDA graph per bucket of padded rows, and steps
+    larger than every bucket run eagerly; on CPU every step runs eagerly on exactly
+    its rows.
 
     Args:
         model: the FFN blocks of every layer (an EP shard of the experts with EP),
@@ -97,6 +105,7 @@ class FFNRuntime:
             arrived, seconds.
         ep: the EP group among FFN ranks, or None for a single FFN rank.
         epoch: the layout epoch this rank starts in.
+        graph_buckets: padded token counts per FFN rank captured as CUDA graphs.
     """
 
     def __init__(
@@ -108,6 +117,7 @@ class FFNRuntime:
         batch_window_s: float,
         ep: EPGroup | None = None,
         epoch: int = 0,
+        graph_buckets: Sequence[int] = DEFAULT_BUCKETS,
     ) -> None:
         self.model = model
         self.channel = channel
@@ -129,6 +139,8 @@ class FFNRuntime:
         self.expert_tokens = torch.zeros(num_experts, dtype=torch.int64, device=self._device)
         """Rows this rank's tokens routed to each expert `[E]` int64, summed over MoE
         layers and steps (expert load; updated in place, on the model's device)."""
+        self._graph_buckets = tuple(graph_buckets)
+        self._compute: FFNGraphs | None = None
 
     def run(self) -> None:
         """Serve headers until `stop()`; then close the channel (same thread)."""
@@ -181,6 +193,7 @@ class FFNRuntime:
         self.model, self.ep, self.epoch, self.left = switch.model, switch.ep, switch.epoch, switch.leave
         self.channel.epoch = switch.epoch
         self._pending = None
+        self._compute = None  # its CUDA graphs captured the old EP group: free them before its shutdown
         if old is not None and old is not switch.ep:
             old.group.shutdown()
         logger.info(
@@ -204,14 +217,14 @@ class FFNRuntime:
                 membership.append(header)
         return [steps[peer] for peer in sorted(steps)], membership
 
-    def _topk_buffers(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Receive buffers for the routing sent with `gate_on_attention`: ids `[N, k]`
-        int64 and weights `[N, k]` float32."""
-        top_k = next(block for block in self.model.layers if isinstance(block, MoE)).spec.top_k
-        return (
-            torch.empty(num_tokens, top_k, dtype=torch.int64, device=self._device),
-            torch.empty(num_tokens, top_k, dtype=torch.float32, device=self._device),
-        )
+    def _layout_compute(self) -> FFNGraphs:
+        """The compute of the current model and EP group, built (graphs captured) at
+        the first step that uses them."""
+        compute = self._compute
+        if compute is None or compute.model is not self.model or compute.ep is not self.ep:
+            buckets = self._graph_buckets if graphs_supported(self.model, self._dtype) else ()
+            compute = self._compute = FFNGraphs(self.model, self.ep, self._dtype, buckets)
+        return compute
 
     def _apply(self, header: StepHeader) -> None:
         if header.kind is HeaderKind.JOIN:
@@ -224,24 +237,24 @@ class FFNRuntime:
     @torch.inference_mode()
     def _step(self, steps: list[StepHeader]) -> None:
         start = time.perf_counter()
+        compute = self._layout_compute()
         sizes = [step.num_tokens for step in steps]
-        hidden = torch.empty(sum(sizes), self.model.hidden_size, dtype=self._dtype, device=self._device)
-        rows = hidden.split(sizes)  # per peer: a view [T_i, H] into hidden [ΣT_i, H]
-        topk = self._topk_buffers(sum(sizes)) if self.model.gate_on_attention else None
+        tokens = sum(sizes)
+        inputs = compute.inputs(tokens if self.ep is None else max(self.ep.step_tokens))  # R >= ΣT_i rows
+        hidden = inputs.hidden[:tokens]  # [ΣT_i, H]
+        rows = hidden.split(sizes)  # per peer: a view [T_i, H] into hidden
+        topk = None if inputs.routing is None else [t[:tokens] for t in inputs.routing]  # ids, weights: [ΣT_i, k]
         for layer in range(self.model.num_layers):
             for i, (step, peer_rows) in enumerate(zip(steps, rows)):
                 self.channel.recv_a2f(step.peer, peer_rows)
                 if topk is not None:
                     ids, weights = (t.split(sizes)[i] for t in topk)  # [T_i, k] views
                     self.channel.recv_topk(step.peer, ids, weights)
-            block = self.model.layers[layer]
-            if isinstance(block, MoE):
-                routing = block.route(hidden) if topk is None else Routing(*topk)  # ids, weights: [ΣT_i, k]
-                self.expert_tokens += torch.bincount(routing.ids.flatten(), minlength=len(self.expert_tokens))
-                out = block(hidden, routing) if self.ep is None else self.ep.moe(block, hidden, routing)
-            else:
-                out = block(hidden)  # [ΣT_i, H]
-            for step, peer_out in zip(steps, out.split(sizes)):
+            out, routed = compute.run(layer, inputs)  # [R, H]; [R, k] int64 for an MoE layer
+            if routed is not None:
+                routed = routed[:tokens].flatten()  # [ΣT_i*k]
+                self.expert_tokens.index_add_(0, routed, torch.ones_like(routed))
+            for step, peer_out in zip(steps, out[:tokens].split(sizes)):
                 self.channel.send_f2a(step.peer, peer_out)
         layer_bytes = hidden.numel() * hidden.element_size()  # [ΣT_i, H] one way, one layer
         topk_bytes = sum(t.numel() * t.element_size() for t in topk) if topk is not None else 0
@@ -250,7 +263,7 @@ class FFNRuntime:
             stats,
             steps=stats.steps + 1,
             layers=stats.layers + self.model.num_layers,
-            tokens=stats.tokens + sum(sizes),
+            tokens=stats.tokens + tokens,
             busy_s=stats.busy_s + time.perf_counter() - start,
             a2f_bytes=stats.a2f_bytes + (layer_bytes + topk_bytes) * self.model.num_layers,
             f2a_bytes=stats.f2a_bytes + layer_bytes * self.model.num_layers,
