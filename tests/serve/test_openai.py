@@ -187,8 +187,8 @@ def _ffn_layers(client: httpx.Client) -> int:
 def test_afd_status_shows_the_mlps_ran_on_the_ffn_rank(client: httpx.Client) -> None:
     status = client.get("/afd/status").json()
     assert status["epoch"] == 0
-    assert status["attention"] == [{"rank": 0, "ffn_peer": 0}]
-    assert [ffn["rank"] for ffn in status["ffn"]] == [0]
+    assert [(m["rank"], m["ffn_peer"], m["state"]) for m in status["attention"]] == [(0, 0, "ready")]
+    assert [(m["rank"], m["state"], m["ep_rank"]) for m in status["ffn"]] == [(0, "ready", 0)]
 
     before = _ffn_layers(client)
     response = client.post("/v1/chat/completions", json=_chat())
