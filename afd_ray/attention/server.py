@@ -120,6 +120,8 @@ class AttentionServer:
         self._assignment = assignment
         self._coordinator = coordinator
         self._drain_timeout_s = autoscale.drain_timeout_s
+        self._draining = asyncio.Event()
+        """Set once the coordinator marked this rank DRAINING."""
         self._drained = asyncio.Event()
         """Set `drain_timeout_s` after draining began: running requests end with an error."""
         os.environ.update(engine_env(attention))
@@ -172,7 +174,6 @@ class AttentionServer:
     async def _watch(self) -> None:
         """Follow the coordinator: re-peer when it moved this rank to another FFN
         peer; once DRAINING, end the requests still running after the drain timeout."""
-        draining = False
         while True:
             await asyncio.sleep(_WATCH_PERIOD_S)
             directive = await self._coordinator.attention_poll.remote(self.rank)
@@ -181,8 +182,8 @@ class AttentionServer:
                     await self._repeer(directive.assignment)
                 except Exception:  # logged; the next poll retries
                     logger.exception("attention rank %d: re-peering failed", self.rank)
-            if directive.state is MemberState.DRAINING and not draining:
-                draining = True
+            if directive.state is MemberState.DRAINING and not self._draining.is_set():
+                self._draining.set()
                 logger.info("attention rank %d draining for up to %.0f s", self.rank, self._drain_timeout_s)
                 asyncio.get_running_loop().call_later(self._drain_timeout_s, self._drained.set)
 
@@ -216,6 +217,14 @@ class AttentionServer:
         streamed = False
         try:
             while not self._drained.is_set():
+                if not self._draining.is_set():  # serving: no race, no extra task per item
+                    try:
+                        value = await anext(items)
+                    except StopAsyncIteration:
+                        return
+                    streamed = streamed or isinstance(value, str)
+                    yield value
+                    continue
                 item = asyncio.ensure_future(anext(items))
                 drained = asyncio.ensure_future(self._drained.wait())
                 await asyncio.wait((item, drained), return_when=asyncio.FIRST_COMPLETED)

@@ -229,37 +229,6 @@ def test_resizes_under_load_lose_no_request(
     assert response.json() == {"autoscale_paused": False}
 
 
-def test_requests_beyond_the_drain_timeout_end_with_a_clear_error(
-    http: httpx.Client, checkpoint: tuple[Path, list[list[int]]]
-) -> None:
-    """2A:1F -> 1A:1F while long requests run on both ranks: those on the removed rank
-    end, `DRAIN_TIMEOUT_S` later, with an SSE error event naming the drain timeout;
-    the others finish with plain vLLM's tokens. No request is lost or hangs."""
-    expected = checkpoint[1][-1]
-    assert http.post(f"{PREFIX}/afd/scale", json={"attention": 2, "ffn": 1}).status_code == 200
-    results: list[_Result] = []
-    threads = [threading.Thread(target=lambda: results.append(_stream(http, 0, LONG_TOKENS))) for _ in range(6)]
-    for thread in threads:
-        thread.start()
-        time.sleep(0.2)  # Serve's router spreads them over both attention ranks
-    time.sleep(1)  # all six are decoding
-    response = http.post(f"{PREFIX}/afd/scale", json={"attention": 1, "ffn": 1})
-    assert response.status_code == 200, response.text
-    for thread in threads:
-        thread.join(300)
-    assert len(results) == 6
-    failed = [r for r in results if r.error is not None]
-    assert failed, "no request ran on the removed attention rank"
-    for r in failed:
-        assert "drain timeout" in r.error, r.error
-        assert r.tokens == expected[: len(r.tokens)]  # what it got is right, nothing repeated
-    for r in results:
-        if r.error is None:
-            assert r.tokens == expected
-    status = http.get(f"{PREFIX}/afd/status").json()
-    assert [m["state"] for m in status["attention"]].count("ready") == 1
-
-
 def test_autoscaler_grows_the_attention_pool_under_load(
     http: httpx.Client, checkpoint: tuple[Path, list[list[int]]]
 ) -> None:
@@ -283,3 +252,36 @@ def test_autoscaler_grows_the_attention_pool_under_load(
     assert "running_per_rank" in event["reason"], event["reason"]
     assert [m["state"] for m in status["attention"]].count("ready") == 2
     assert all(r.error is None and r.tokens == checkpoint[1][r.prompt] for r in load.results)
+
+
+def test_requests_beyond_the_drain_timeout_end_with_a_clear_error(
+    http: httpx.Client, checkpoint: tuple[Path, list[list[int]]]
+) -> None:
+    """2A:1F (the autoscaler's, above) -> 1A:1F while long requests run on both ranks:
+    those on the removed rank end, `DRAIN_TIMEOUT_S` later, with an SSE error event
+    naming the drain timeout; the others finish with plain vLLM's tokens. No request is
+    lost or hangs."""
+    expected = checkpoint[1][-1]
+    status = http.get(f"{PREFIX}/afd/status").json()
+    assert [m["state"] for m in status["attention"]].count("ready") == 2
+    results: list[_Result] = []
+    threads = [threading.Thread(target=lambda: results.append(_stream(http, 0, LONG_TOKENS))) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.2)  # Serve's router spreads them over both attention ranks
+    time.sleep(1)  # all six are decoding
+    response = http.post(f"{PREFIX}/afd/scale", json={"attention": 1, "ffn": 1})
+    assert response.status_code == 200, response.text
+    for thread in threads:
+        thread.join(300)
+    assert len(results) == 6
+    failed = [r for r in results if r.error is not None]
+    assert failed, "no request ran on the removed attention rank"
+    for r in failed:
+        assert "drain timeout" in r.error, r.error
+        assert r.tokens == expected[: len(r.tokens)]  # what it got is right, nothing repeated
+    for r in results:
+        if r.error is None:
+            assert r.tokens == expected
+    status = http.get(f"{PREFIX}/afd/status").json()
+    assert [m["state"] for m in status["attention"]].count("ready") == 1
