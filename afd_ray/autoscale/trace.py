@@ -28,9 +28,12 @@ def record(url: str, out: Path, interval_s: float, duration_s: float) -> int:
         ValueError: its status has no `metrics` (a coordinator without signals).
     """
     written = 0
-    deadline = time.monotonic() + duration_s
+    start = time.monotonic()
     with httpx.Client(base_url=url, timeout=30) as http, out.open("w") as lines:
         while True:
+            # Polls are on a fixed schedule (start + k * interval_s), so a slow answer
+            # delays one line but never drops one: floor(duration_s / interval_s) + 1 lines.
+            time.sleep(max(start + written * interval_s - time.monotonic(), 0.0))
             response = http.get("/afd/status")
             response.raise_for_status()
             metrics = response.json().get("metrics")
@@ -39,9 +42,8 @@ def record(url: str, out: Path, interval_s: float, duration_s: float) -> int:
             lines.write(MetricsSnapshot.model_validate(metrics).model_dump_json() + "\n")
             lines.flush()
             written += 1
-            if time.monotonic() + interval_s > deadline:
+            if written * interval_s > duration_s:
                 return written
-            time.sleep(interval_s)
 
 
 def read_trace(path: Path) -> list[MetricsSnapshot]:
