@@ -74,6 +74,8 @@ class FFNStack(nn.Module):
             else:
                 layers.append(GatedMLP(*dense))
         self.layers = nn.ModuleList(layers)
+        self.loaded_bytes = 0
+        """Bytes of parameters `load_ffn_stack` read from the checkpoint into this stack."""
 
     @property
     def num_layers(self) -> int:
@@ -106,6 +108,7 @@ def load_ffn_stack(
     ep_rank: int = 0,
     ep_size: int = 1,
     gate_on_attention: bool = False,
+    reuse: FFNStack | None = None,
 ) -> FFNStack:
     """Build the FFN stack of `checkpoint` with only FFN-role tensors loaded.
 
@@ -114,6 +117,11 @@ def load_ffn_stack(
     an EP shard reads and allocates only its own routed experts. Tensors are rounded
     to `dtype` (the router gate of DeepSeek then lives in float32) except
     `e_score_correction_bias`, loaded as float32.
+
+    `reuse`: a stack of the same checkpoint, dtype and gate placement (another EP
+    shard: an FFN resize). Every tensor it holds is copied from it instead of read from
+    the checkpoint, so only newly owned routed experts are read (the new stack's
+    `loaded_bytes`).
 
     Raises:
         ValueError: unsupported architecture, bad EP rank, or a missing/unexpected
@@ -127,13 +135,23 @@ def load_ffn_stack(
     owned = {e for block in stack.layers if isinstance(block, MoE) for e in block.experts.owned}
     unexpected = []
     with torch.no_grad():
-        params = ffn_layer_params(checkpoint, config.num_hidden_layers, owned, gate_on_attention, stack.moe_layers)
+        if reuse is not None:
+            held = reuse.checkpoint_tensors()
+            for key in [k for k, t in targets.items() if k in held and held[k].shape == t.shape]:
+                targets.pop(key).copy_(held[key])
+            owned -= {e for block in reuse.layers if isinstance(block, MoE) for e in block.experts.owned}
+        params = [] if not targets else ffn_layer_params(
+            checkpoint, config.num_hidden_layers, owned, gate_on_attention, stack.moe_layers
+        )
         for layer, name, tensor in params:
+            if reuse is not None and (layer, name) not in targets:
+                continue  # copied from `reuse`
             target = targets.pop((layer, name), None)
             if target is None or target.shape != tensor.shape:
                 unexpected.append(f"layers.{layer}.mlp.{name} {list(tensor.shape)}")
                 continue
             target.copy_(tensor if name.endswith(_KEEP_FLOAT32) else tensor.to(dtype))
+            stack.loaded_bytes += target.numel() * target.element_size()
     if targets or unexpected:
         missing = [f"layers.{layer}.mlp.{name}" for layer, name in targets]
         raise ValueError(f"FFN weights of {checkpoint}: missing {missing}, unexpected {unexpected}")

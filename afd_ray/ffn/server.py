@@ -92,7 +92,7 @@ class FFNServer:
         assignment = await coordinator.ep_assignment.remote(self.rank, connector.timeout_s)
         stack = await asyncio.to_thread(self._load_stack, assignment)
         if assignment.epoch > 0:  # started by a scale-out
-            await coordinator.ffn_loaded.remote(self.rank, assignment.epoch, _param_bytes(stack))
+            await coordinator.ffn_loaded.remote(self.rank, assignment.epoch, stack.loaded_bytes)
         ep = await self._ep_group(stack, assignment)
         self._shard = (assignment.ep_rank, assignment.ep_size)
         self._preparing = assignment.epoch
@@ -104,10 +104,12 @@ class FFNServer:
         self._loop.start()
         self._reporter = asyncio.create_task(self._report())
 
-    def _load_stack(self, assignment: EPAssignment) -> FFNStack:
+    def _load_stack(self, assignment: EPAssignment, reuse: FFNStack | None = None) -> FFNStack:
+        """This rank's shard for `assignment`; tensors `reuse` holds are copied from it."""
         checkpoint, dtype, device, gate_on_attention = self._load
         return load_ffn_stack(
-            checkpoint, dtype, device, assignment.ep_rank, assignment.ep_size, gate_on_attention=gate_on_attention
+            checkpoint, dtype, device, assignment.ep_rank, assignment.ep_size,
+            gate_on_attention=gate_on_attention, reuse=reuse,
         )
 
     async def _ep_group(self, stack: FFNStack, assignment: EPAssignment) -> EPGroup | None:
@@ -132,9 +134,10 @@ class FFNServer:
             await asyncio.sleep(_REPORT_PERIOD_S)
 
     async def _prepare(self, plan: LayoutPlan) -> None:
-        """Make before break: load this rank's shard of the layout of `plan` (unless
-        it holds it already; dense models never reload) and open its EP group, while
-        the loop keeps serving; then hand both to the loop."""
+        """Make before break: build this rank's shard of the layout of `plan` (unless
+        it holds it already; dense models never reload), reading from the checkpoint
+        only the experts it newly owns, and open its EP group, while the loop keeps
+        serving; then hand both to the loop."""
         runtime = self._runtime
         assignment = plan.assignment
         if assignment is None:
@@ -143,8 +146,8 @@ class FFNServer:
         stack = runtime.model
         shard = (assignment.ep_rank, assignment.ep_size)
         if _is_moe(stack) and shard != self._shard:
-            stack = await asyncio.to_thread(self._load_stack, assignment)
-            await self._coordinator.ffn_loaded.remote(self.rank, plan.epoch, _param_bytes(stack))
+            stack = await asyncio.to_thread(self._load_stack, assignment, runtime.model)
+            await self._coordinator.ffn_loaded.remote(self.rank, plan.epoch, stack.loaded_bytes)
         ep = await self._ep_group(stack, assignment)
         self._shard = shard
         runtime.prepare_switch(LayoutSwitch(plan.epoch, stack, ep))
@@ -182,10 +185,6 @@ class FFNServer:
 
 def _is_moe(stack: FFNStack) -> bool:
     return any(isinstance(block, MoE) for block in stack.layers)
-
-
-def _param_bytes(stack: FFNStack) -> int:
-    return sum(p.numel() * p.element_size() for p in stack.parameters())
 
 
 def _log_failure(task: asyncio.Task) -> None:
