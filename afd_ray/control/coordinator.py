@@ -56,6 +56,7 @@ from afd_ray.control.membership import (
     AttentionDirective,
     AttentionMember,
     EPAssignment,
+    FFNDirective,
     FFNMember,
     LayoutPlan,
     MemberState,
@@ -127,6 +128,8 @@ class Coordinator:
         self._ffn: dict[int, FFNMember] = {}
         self._attention: dict[int, AttentionMember] = {}
         self._next_attention = 0
+        self._vanished: set[int] = set()
+        """Attention ranks whose replica vanished without leaving (their FFN peer drops them)."""
         self._changed = asyncio.Condition()
         self._resize_lock = asyncio.Lock()
         self._layout_lock = asyncio.Lock()
@@ -176,13 +179,14 @@ class Coordinator:
 
     async def report_ffn(
         self, rank: int, stats: FFNStats, expert_tokens: list[int], epoch: int, pause_s: float
-    ) -> LayoutPlan | None:
+    ) -> FFNDirective:
         """Replace the counters and expert load of FFN rank `rank`, which serves layout
         `epoch` and paused its steps at most `pause_s` seconds at a step boundary since
         its last report; feed its counters to the autoscaling signals.
 
         Returns:
-            The layout this rank must prepare, while a resize is pending, else None.
+            The layout this rank must prepare while a resize is pending, and its
+            attention peers that vanished without LEAVE.
         """
         member = self._ffn[rank]
         update = asdict(stats) | {"expert_tokens": expert_tokens, "epoch": epoch}
@@ -196,11 +200,12 @@ class Coordinator:
         self._signals.report_ffn(rank, stats, time.time())
         if epoch != member.epoch or "state" in update:
             await self._notify()
+        dead = [r for r in sorted(self._vanished) if self._attention[r].ffn_peer == rank]
         plan = self._plan
         if plan is None or epoch >= plan.epoch or (rank not in plan.ranks and rank != plan.leaving):
-            return None
+            return FFNDirective(dead_peers=dead)
         assignment = self._assignment(rank, plan.ranks, plan.epoch) if rank in plan.ranks else None
-        return LayoutPlan(epoch=plan.epoch, assignment=assignment)
+        return FFNDirective(plan=LayoutPlan(epoch=plan.epoch, assignment=assignment), dead_peers=dead)
 
     async def ffn_loaded(self, rank: int, epoch: int, num_bytes: int) -> None:
         """FFN rank `rank` loaded `num_bytes` of weights for the layout of `epoch`."""
@@ -359,6 +364,7 @@ class Coordinator:
                     await self._set_attention(member.rank, MemberState.DRAINING)
                 elif member.state in (MemberState.READY, MemberState.DRAINING) and state is None:
                     logger.warning("attention rank %d: replica %s vanished", member.rank, member.replica)
+                    self._vanished.add(member.rank)
                     await self._set_attention(member.rank, MemberState.GONE)
 
     # --- resizes ---------------------------------------------------------------

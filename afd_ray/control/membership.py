@@ -19,6 +19,7 @@ __all__ = [
     "AttentionDirective",
     "AttentionMember",
     "EPAssignment",
+    "FFNDirective",
     "FFNMember",
     "LayoutPlan",
     "MemberState",
@@ -98,6 +99,16 @@ class LayoutPlan(_Record):
     epoch: int
     assignment: EPAssignment | None
     """This rank's place in the new layout; None: it leaves the layout at the switch."""
+
+
+class FFNDirective(_Record):
+    """The coordinator's answer to an FFN rank's report."""
+
+    plan: LayoutPlan | None = None
+    """The layout to prepare while a resize is pending."""
+    dead_peers: list[int] = []
+    """Attention ranks peered with this FFN rank whose replica vanished without a
+    LEAVE (it died or was killed): drop their pairs at a step boundary."""
 
 
 class AttentionDirective(_Record):

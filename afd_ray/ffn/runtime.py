@@ -128,6 +128,7 @@ class FFNRuntime:
         self.left = False
         """This rank left the layout (it serves no step any more)."""
         self._pending: LayoutSwitch | None = None
+        self._dead: frozenset[int] = frozenset()
         self._pause_s = 0.0
         self._dtype = dtype
         self._poll_s = poll_s
@@ -164,9 +165,13 @@ class FFNRuntime:
                 start = time.perf_counter()
                 for change in membership:
                     self._apply(change)
+                dead = self._dead.intersection(self.channel.peers)
+                for peer in dead:
+                    self.channel.remove(peer)
+                    logger.warning("FFN dropped attention rank %d: it vanished without LEAVE", peer)
                 if switch and pending is not None:
                     self._switch(pending)
-                if membership or switch:
+                if membership or switch or dead:
                     self._pause_s = max(self._pause_s, time.perf_counter() - start)
         finally:
             self.channel.close()
@@ -179,6 +184,11 @@ class FFNRuntime:
         """Hand over a prepared layout; `run()` switches to it at the first step
         boundary where every rank of the current EP group has one (thread-safe)."""
         self._pending = switch
+
+    def drop_peers(self, peers: list[int]) -> None:
+        """Attention peers that died without LEAVE: `run()` removes their pairs at the
+        next step boundary, so steps stop waiting for them (thread-safe)."""
+        self._dead = frozenset(peers)
 
     def take_pause(self) -> float:
         """Longest step-boundary pause (admitting or removing peers, switching the

@@ -124,9 +124,11 @@ class FFNServer:
     async def _report(self) -> None:
         while True:
             runtime = self._runtime
-            plan = await self._coordinator.report_ffn.remote(
+            directive = await self._coordinator.report_ffn.remote(
                 self.rank, runtime.stats, runtime.expert_tokens.tolist(), runtime.epoch, runtime.take_pause()
             )
+            runtime.drop_peers(directive.dead_peers)
+            plan = directive.plan
             if plan is not None and plan.epoch > self._preparing:
                 self._preparing = plan.epoch
                 self._preparation = asyncio.create_task(self._prepare(plan))

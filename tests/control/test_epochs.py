@@ -101,3 +101,38 @@ def test_runtime_never_applies_a_stale_header(tmp_path: Path) -> None:
     finally:
         runtime.stop()
         loop.join(10)
+
+
+def test_runtime_drops_a_peer_that_vanished_without_leave(tmp_path: Path) -> None:
+    """The coordinator reports an attention rank whose replica vanished; its FFN peer
+    removes the pair at a step boundary, so steps stop waiting the batching window
+    for it, and the other peer keeps being served."""
+    stack = load_ffn_stack(Path(build_tiny("llama", tmp_path / "llama")), torch.float32, torch.device("cpu"))
+    window_s = 0.5
+    runtime = FFNRuntime(stack, FFNChannel("127.0.0.1", "gloo", timeout_s=10), torch.float32, 0.05, window_s)
+    loop = threading.Thread(target=runtime.run)
+    loop.start()
+    try:
+        AttentionChannel(runtime.channel.address, 0, 0, "gloo", timeout_s=10)  # joins, then never speaks
+        live = AttentionChannel(runtime.channel.address, 1, 0, "gloo", timeout_s=10)
+
+        def step() -> float:
+            hidden = torch.randn(2, stack.hidden_size)
+            start = time.perf_counter()
+            live.send_header(2)
+            with torch.inference_mode():
+                for layer in range(stack.num_layers):
+                    torch.testing.assert_close(live.exchange(hidden), stack(layer, hidden))
+            return time.perf_counter() - start
+
+        assert step() >= window_s  # waits for the silent peer
+        runtime.drop_peers([0])
+        deadline = time.monotonic() + 10
+        while runtime.channel.peers != [1] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert runtime.channel.peers == [1]
+        assert step() < window_s
+        live.close()
+    finally:
+        runtime.stop()
+        loop.join(10)
