@@ -56,6 +56,7 @@ def _settled_status(http: httpx.Client, advanced_from: dict[int, int]) -> dict:
     previous = None
     while time.monotonic() < deadline:
         status = http.get("/afd/status").json()
+        status.pop("metrics")  # a snapshot taken at each call: its time always differs
         if status == previous and all(m["steps"] > advanced_from[m["rank"]] for m in status["ffn"]):
             return status
         previous = status
