@@ -14,6 +14,7 @@ attention in vLLM plus the FFN pool.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 
@@ -46,6 +47,9 @@ class PlainServer(AttentionServer):
             ValueError: `model.source` cannot be resolved to a checkpoint folder.
         """
         self.rank = 0
+        self._draining = asyncio.Event()
+        self._drained = asyncio.Event()
+        """Never set: the baseline engine is never drained or resized."""
         os.environ.update(engine_env(attention))
         checkpoint = resolve_checkpoint(model)
         args = dataclasses.replace(
@@ -56,6 +60,11 @@ class PlainServer(AttentionServer):
     async def status(self) -> AFDStatus:
         """`/afd/status` of a plain engine: no attention or FFN pool."""
         return AFDStatus(epoch=0, attention=[], ffn=[])
+
+    async def __del__(self) -> None:
+        """Stop the EngineCore; there is no FFN peer or coordinator to tell."""
+        if hasattr(self, "_engine"):
+            self._engine.shutdown()
 
 
 def build_plain_app(cfg: AFDConfig) -> Application:
@@ -83,4 +92,4 @@ def build_plain_app(cfg: AFDConfig) -> Application:
         max_ongoing_requests=cfg.ingress.max_ongoing_requests,
         ray_actor_options={"num_cpus": 0},
     )
-    return ingress.bind(plain, plain, plain)
+    return ingress.bind(plain, plain, plain, cfg.attention, cfg.ffn)

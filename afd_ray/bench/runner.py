@@ -89,7 +89,7 @@ def _app_config(cfg: BenchConfig, checkpoint: Path, topology: Topology) -> AFDCo
 
 def _settled_status(http: httpx.Client, route: str) -> AFDStatus:
     """`/afd/status` once two reads `_SETTLE_POLL_S` apart agree (all FFN counters
-    reported).
+    reported), apart from `metrics`, a snapshot taken at each read.
 
     Raises:
         TimeoutError: the counters kept changing for `_SETTLE_READS` reads.
@@ -99,7 +99,7 @@ def _settled_status(http: httpx.Client, route: str) -> AFDStatus:
         response = http.get(f"{route}/afd/status")
         response.raise_for_status()
         status = AFDStatus.model_validate(response.json())
-        if status == last:
+        if last is not None and status.model_copy(update={"metrics": last.metrics}) == last:  # metrics: per read
             return status
         last = status
         time.sleep(_SETTLE_POLL_S)
