@@ -32,7 +32,6 @@ import argparse
 import faulthandler
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -43,8 +42,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from afd_ray.bench.spawn import run_pair
 from afd_ray.connector.nvlink import AttentionNVLink, FFNNVLink, SlotLayout
 
 __all__ = ["main"]
@@ -110,20 +109,13 @@ class NVLinkBench:
         self.results: dict = {"failed": {}}
         group_name = dist.group.WORLD.group_name
         side = AttentionNVLink if rank == 0 else FFNNVLink
-        self.check_link = side(
-            group_name,
-            SlotLayout(max(args.tokens), args.hidden, 2),
-            _DTYPE,
-            self.device,
-            args.flag_timeout_ms,
-        )
-        self.time_link = side(
-            group_name,
-            SlotLayout(max(args.tokens), args.hidden, 1),
-            _DTYPE,
-            self.device,
-            args.flag_timeout_ms,
-        )
+
+        def link(slots: int) -> AttentionNVLink | FFNNVLink:
+            layout = SlotLayout(max(args.tokens), args.hidden, slots)
+            return side(group_name, layout, _DTYPE, self.device, args.flag_timeout_ms)
+
+        self.check_link = link(2)  # two ubatch slots per layer (the DBO order)
+        self.time_link = link(1)
 
     def log(self, msg: str) -> None:
         print(f"[rank {self.rank}] {msg}", flush=True)
@@ -237,7 +229,7 @@ class NVLinkBench:
 
 def _time_steps(step: Step, iters: int) -> tuple[float, float]:
     """Median ms per step: CUDA events with the host running ahead, then wall time
-    with a synchronization after each step (as `afd_ray.bench.decode.Bench.time_steps`)."""
+    with a synchronization after each step (as `afd_ray.bench.decode_pair.PairRank.time_steps`)."""
     events = [
         (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)
     ]
@@ -297,12 +289,6 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
     os._exit(0)  # skip symmetric-memory and process-group teardown (results are written)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="JSON result file")
@@ -324,22 +310,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if torch.cuda.device_count() < 2:
         raise SystemExit(f"needs 2 CUDA GPUs, found {torch.cuda.device_count()}")
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
-    context = mp.get_context("spawn")
-    port = _free_port()
-    procs = [context.Process(target=_rank_main, args=(rank, args, port)) for rank in range(2)]
-    for proc in procs:
-        proc.start()
-    while any(proc.is_alive() for proc in procs):
-        if any(proc.exitcode not in (None, 0) for proc in procs):
-            for proc in procs:  # the other rank would spin on a flag until its timeout
-                if proc.is_alive():
-                    proc.terminate()
-        time.sleep(0.2)
-    if any(proc.exitcode != 0 for proc in procs):
-        sys.exit(1)
+    run_pair(_rank_main, args)
 
 
 if __name__ == "__main__":
