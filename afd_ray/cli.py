@@ -100,9 +100,14 @@ def _autoscale_simulate(args: argparse.Namespace) -> None:
 
 
 def _autoscale_record(args: argparse.Namespace) -> None:
+    import httpx
+
     from afd_ray.autoscale.trace import record
 
-    lines = record(args.url, args.out, args.interval_s, args.duration_s)
+    try:
+        lines = record(args.url, args.out, args.interval_s, args.duration_s)
+    except httpx.HTTPError as e:
+        raise OSError(f"{args.url}: {e}") from e
     print(f"{lines} snapshots -> {args.out}")
 
 
@@ -135,12 +140,12 @@ def _add_autoscale(subparsers: argparse._SubParsersAction) -> None:
     )
     simulate.add_argument(
         "--peak-rps",
-        type=float,
+        type=_positive_s,
         default=1.5,
         help="ramp peak, requests/s (default: 1.5)",
     )
     simulate.add_argument(
-        "--duration-s", type=float, default=900.0, help="ramp length, s (default: 900)"
+        "--duration-s", type=_positive_s, default=900.0, help="ramp length, s (default: 900)"
     )
     simulate.add_argument(
         "--plot",
@@ -168,14 +173,22 @@ def _add_autoscale(subparsers: argparse._SubParsersAction) -> None:
     )
     record.add_argument(
         "--interval-s",
-        type=float,
+        type=_positive_s,
         default=1.0,
         help="seconds between snapshots (default: 1)",
     )
     record.add_argument(
-        "--duration-s", type=float, required=True, help="how long to record, s"
+        "--duration-s", type=_positive_s, required=True, help="how long to record, s"
     )
     record.set_defaults(handler=_autoscale_record)
+
+
+def _positive_s(text: str) -> float:
+    """argparse type of a duration or rate that must be > 0 (a usage error otherwise)."""
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
 
 
 def _scale(args: argparse.Namespace) -> None:
@@ -200,7 +213,7 @@ def _add_scale(subparsers: argparse._SubParsersAction) -> None:
     scale.add_argument("--attention", type=int, required=True, help="attention ranks")
     scale.add_argument("--ffn", type=int, required=True, help="FFN ranks")
     scale.add_argument("--url", default="http://127.0.0.1:8000", help="the deployment's HTTP address")
-    scale.add_argument("--timeout", type=float, default=900.0, help="seconds to wait (default: 900)")
+    scale.add_argument("--timeout", type=_positive_s, default=900.0, help="seconds to wait (default: 900)")
     scale.set_defaults(handler=_scale)
 
 

@@ -388,6 +388,15 @@ class Coordinator:
         self._check(request)
         if reason == "manual":
             self._paused = True
+        # An accepted resize runs to its end and is recorded even when the caller goes
+        # away (a client leaving POST /afd/scale cancels this call): stopping halfway
+        # would leave a layout nobody asked for.
+        resize = asyncio.create_task(self._scale(request, reason))
+        self._tasks.append(resize)
+        resize.add_done_callback(self._tasks.remove)
+        return await asyncio.shield(resize)
+
+    async def _scale(self, request: ScaleRequest, reason: str) -> ResizeEvent:
         async with self._resize_lock:
             before = (self._live(ATTENTION_DEPLOYMENT), len(self._layout))
             started = time.time()
@@ -523,6 +532,7 @@ class Coordinator:
             target_attention=self._targets[ATTENTION_DEPLOYMENT],
             target_ffn=self._targets[FFN_DEPLOYMENT],
             autoscale_paused=self._paused,
+            autoscale_enabled=self._policy is not None,
             resizes=self._resizes,
             metrics=await self.metrics(),
         )

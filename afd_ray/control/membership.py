@@ -121,7 +121,10 @@ class AttentionDirective(_Record):
 
 
 class ScaleRequest(_Record):
-    """Body of `POST /afd/scale`: the pool sizes to reach."""
+    """Body of `POST /afd/scale`: the pool sizes to reach. Strict: JSON integers only
+    (`"2"`, `2.0` or `true` are errors naming the field, never converted)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     attention: int
     """Attention ranks, within `attention.min_ranks`..`attention.max_ranks`."""
@@ -199,6 +202,9 @@ class AFDStatus(_Record):
     target_ffn: int = 0
     autoscale_paused: bool = False
     """A manual resize paused the autoscaler (until `POST /afd/autoscale/resume`)."""
+    autoscale_enabled: bool = False
+    """The deployment runs the autoscaler (`autoscale.enabled`); when False, resizes
+    happen only through `POST /afd/scale`."""
     resizes: list[ResizeEvent] = []
     metrics: MetricsSnapshot | None = None
     """The autoscaling signals over the coordinator's sliding window (None where no

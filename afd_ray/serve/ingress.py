@@ -192,7 +192,8 @@ class Ingress:
         once the new layout serves, with the `ResizeEvent` (200), or 504 with the
         event if it did not complete. A body that does not fit, or a size outside
         the pool's `min_ranks`..`max_ranks`, is a 400 naming the field. Pauses the
-        autoscaler until `POST /afd/autoscale/resume`."""
+        autoscaler until `POST /afd/autoscale/resume`. An accepted resize runs to its
+        end even if the client disconnects; its event is in `/afd/status` `resizes`."""
         try:
             body = await request.json()
         except ValueError:
@@ -218,7 +219,8 @@ class Ingress:
 
     @app.post("/afd/autoscale/resume", response_model=None)
     async def afd_autoscale_resume(self) -> Response:
-        """Let the autoscaler resize the pools again after a manual resize."""
+        """Let the autoscaler resize the pools again after a manual resize. The answer
+        also says whether the deployment runs an autoscaler at all (`autoscale.enabled`)."""
         await self._coordinator.resume_autoscaler.remote()
         status = await self._coordinator.status.remote()
-        return JSONResponse({"autoscale_paused": status.autoscale_paused})
+        return JSONResponse({"autoscale_paused": status.autoscale_paused, "autoscale_enabled": status.autoscale_enabled})

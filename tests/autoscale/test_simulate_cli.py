@@ -76,3 +76,29 @@ def test_bad_policy_exits_1_naming_the_field(tmp_path: Path, capsys: pytest.Capt
         "attention.scale_out_cooldown_s: Input should be greater than or equal to 0"
         in capsys.readouterr().err
     )
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["autoscale", "record", "--out", "t.jsonl", "--duration-s", "5", "--interval-s", "0"],
+        ["autoscale", "record", "--out", "t.jsonl", "--duration-s", "-5"],
+        ["autoscale", "simulate", "--policy", str(POLICY), "--ramp", "--peak-rps", "-1"],
+        ["scale", "--attention", "1", "--ffn", "1", "--timeout", "0"],
+    ],
+)
+def test_non_positive_durations_are_usage_errors(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """`record --interval-s 0` used to poll without end (a fresh user's report)."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert "must be > 0" in capsys.readouterr().err
+
+
+def test_record_from_an_unreachable_url_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """No traceback when nothing listens (a fresh user got httpx.ConnectError's)."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["autoscale", "record", "--url", "http://127.0.0.1:1", "--out", str(tmp_path / "t.jsonl"),
+              "--duration-s", "1"])  # fmt: skip
+    assert exit_.value.code == 1
+    assert capsys.readouterr().err.startswith("afd-ray: error: http://127.0.0.1:1:")

@@ -169,7 +169,10 @@ def http(
 def test_bad_scale_bodies_name_the_field(http: httpx.Client) -> None:
     for body, param in [({"attention": 3, "ffn": 1}, "attention"), ({"attention": 1, "ffn": 0}, "ffn"),
                         ({"attention": "two", "ffn": 1}, "attention"), ({"ffn": 1}, "attention"),
-                        ({"attention": 1, "ffn": 1, "extra": 1}, "extra")]:  # fmt: skip
+                        ({"attention": 1, "ffn": 1, "extra": 1}, "extra"),
+                        # strict: never converted (a fresh user's `true` / "2" resized the pools)
+                        ({"attention": True, "ffn": 1}, "attention"), ({"attention": 1, "ffn": "2"}, "ffn"),
+                        ({"attention": 2.0, "ffn": 1}, "attention")]:  # fmt: skip
         response = http.post(f"{PREFIX}/afd/scale", json=body)
         assert response.status_code == 400, (body, response.text)
         assert response.json()["error"]["param"] == param, (body, response.text)
@@ -187,6 +190,14 @@ def test_resizes_under_load_lose_no_request(
             start = time.monotonic()
             if (attention, ffn) == LAYOUTS[0]:  # the CLI, once
                 assert cli(["scale", "--attention", "2", "--ffn", "1", "--url", serve_url + PREFIX]) == 0
+            elif (attention, ffn) == LAYOUTS[2]:  # a client that gives up: the resize still runs to its end
+                resizes = len(http.get(f"{PREFIX}/afd/status").json()["resizes"])
+                with pytest.raises(httpx.ReadTimeout):
+                    http.post(f"{PREFIX}/afd/scale", json={"attention": attention, "ffn": ffn}, timeout=1)
+                deadline = time.monotonic() + 300
+                while len(http.get(f"{PREFIX}/afd/status").json()["resizes"]) == resizes:
+                    assert time.monotonic() < deadline, "the abandoned resize never completed"
+                    time.sleep(0.5)
             else:
                 response = http.post(f"{PREFIX}/afd/scale", json={"attention": attention, "ffn": ffn})
                 assert response.status_code == 200, response.text
@@ -226,7 +237,7 @@ def test_resizes_under_load_lose_no_request(
     for r in done:
         assert r.tokens == expected[r.prompt], f"prompt {r.prompt}: {r.tokens} != {expected[r.prompt]}"
     response = http.post(f"{PREFIX}/afd/autoscale/resume")
-    assert response.json() == {"autoscale_paused": False}
+    assert response.json() == {"autoscale_paused": False, "autoscale_enabled": True}
 
 
 def test_autoscaler_grows_the_attention_pool_under_load(
@@ -235,7 +246,7 @@ def test_autoscaler_grows_the_attention_pool_under_load(
     """After `resume`, the coordinator's autoscaler (the `POLICY` above, evaluated every
     second) resizes 1A:1F -> 2A:1F on its own under three concurrent streams, with the
     policy's reason; requests stay exact."""
-    assert http.post(f"{PREFIX}/afd/autoscale/resume").json() == {"autoscale_paused": False}
+    assert http.post(f"{PREFIX}/afd/autoscale/resume").json() == {"autoscale_paused": False, "autoscale_enabled": True}
     before = len(http.get(f"{PREFIX}/afd/status").json()["resizes"])
     load = _Load(http)
     try:
