@@ -49,7 +49,6 @@ from vllm.v1.engine.async_llm import AsyncLLM
 
 from afd_ray.attention.engine import engine_args, engine_env
 from afd_ray.attention.ffn_client import ASSIGNMENT_ENV
-from afd_ray.autoscale.recorder import AttentionRecorder
 from afd_ray.config import (
     AttentionPoolConfig,
     AutoscaleConfig,
@@ -60,6 +59,7 @@ from afd_ray.config import (
 from afd_ray.control.membership import AttentionAssignment, MemberState
 from afd_ray.control.serve_api import app_deleting
 from afd_ray.models.embedded import resolve_checkpoint
+from afd_ray.observability.recorder import AttentionRecorder
 
 __all__ = ["AttentionServer", "ChatChunk", "CompletionChunk"]
 

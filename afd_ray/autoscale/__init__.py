@@ -1,5 +1,5 @@
-"""A:F autoscaling: the pure policy, live signal collection, trace recording and the
-offline simulator."""
+"""A:F autoscaling: the pure policy and its YAML, trace recording and the offline
+simulator (live signals are in `afd_ray.observability`)."""
 
 from afd_ray.autoscale.policy import (
     AutoscalePolicy,

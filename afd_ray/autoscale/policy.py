@@ -58,9 +58,9 @@ class MetricsSnapshot(_Frozen):
     """What the policy sees at one evaluation: flat numbers only, so that it also
     travels as Serve's `record_autoscaling_stats()` `dict[str, float]`.
 
-    Sources (`afd_ray.autoscale.signals.SignalAggregator`): the attention fields come
+    Sources (`afd_ray.observability.signals.SignalAggregator`): the attention fields come
     from vLLM's own stats of each engine (`SchedulerStats`, `IterationStats`), the FFN
-    fields from deltas of `afd_ray.ffn.runtime.FFNStats` over the window.
+    fields from deltas of `afd_ray.observability.stats.FFNStats` over the window.
     """
 
     time_s: float

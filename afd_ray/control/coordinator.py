@@ -41,7 +41,6 @@ from afd_ray.autoscale.policy import (
     ScaleState,
     decide,
 )
-from afd_ray.autoscale.signals import AttentionReport, SignalAggregator
 from afd_ray.config import (
     AttentionPoolConfig,
     AutoscaleConfig,
@@ -64,7 +63,8 @@ from afd_ray.control.membership import (
     ScaleRequest,
 )
 from afd_ray.control.serve_api import replica_states, set_num_replicas
-from afd_ray.ffn.runtime import FFNStats
+from afd_ray.observability.signals import AttentionReport, SignalAggregator
+from afd_ray.observability.stats import FFNStats
 from afd_ray.platform import collective_backend
 
 __all__ = ["ATTENTION_DEPLOYMENT", "FFN_DEPLOYMENT", "Coordinator"]

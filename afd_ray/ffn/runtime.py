@@ -4,7 +4,7 @@ Each iteration: read one step header; JOIN/LEAVE change the peer set at this ste
 boundary; STEP headers form one step for every peer taking part, which runs every
 FFN layer in order: receive `[T_i, H]` from each peer (A2F), compute on all rows at
 once, send each peer its `[T_i, H]` back (F2A). The loop owns nothing across steps except the weights and
-the counters in `FFNStats`, so a lost FFN rank loses no request data.
+the counters in `afd_ray.observability.stats.FFNStats`, so a lost FFN rank loses no request data.
 
 A new FFN layout (a resize of the FFN pool) is prepared outside the loop (new expert
 shard loaded, new EP group opened) and handed over with `prepare_switch`; the loop
@@ -28,30 +28,11 @@ from afd_ray.ffn.ep import EPGroup
 from afd_ray.ffn.graphs import DEFAULT_BUCKETS, FFNGraphs, graphs_supported
 from afd_ray.ffn.model import FFNStack
 from afd_ray.ffn.moe import MoE
+from afd_ray.observability.stats import FFNStats
 
-__all__ = ["FFNRuntime", "FFNStats", "LayoutSwitch"]
+__all__ = ["FFNRuntime", "LayoutSwitch"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class FFNStats:
-    """Counters of one FFN rank since start; replaced whole at each step boundary, so a
-    snapshot read from another thread is always consistent."""
-
-    steps: int = 0
-    """Forward steps served."""
-    layers: int = 0
-    """FFN layer computations (steps x layers)."""
-    tokens: int = 0
-    """Token rows served, summed over steps (not over layers)."""
-    busy_s: float = 0.0
-    """Wall time spent inside steps (receive + compute + send), seconds."""
-    a2f_bytes: int = 0
-    """Bytes received from attention peers (hidden states, and top-k ids and weights
-    with `gate_on_attention`), summed over layers."""
-    f2a_bytes: int = 0
-    """Bytes sent back to attention peers (FFN outputs), summed over layers."""
 
 
 @dataclass(frozen=True)

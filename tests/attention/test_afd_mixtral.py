@@ -24,7 +24,8 @@ from afd_ray.attention.plugin import afd_architecture
 from afd_ray.connector.channel import FFNChannel
 from afd_ray.control.membership import AttentionAssignment
 from afd_ray.ffn.model import load_ffn_stack
-from afd_ray.ffn.runtime import FFNRuntime, FFNStats
+from afd_ray.ffn.runtime import FFNRuntime
+from afd_ray.observability.stats import FFNStats
 from afd_ray.models.embedded import prepare_smollm2_moe
 
 QUESTION = "What is the capital of France?"

@@ -29,7 +29,8 @@ from afd_ray.attention.ffn_client import ASSIGNMENT_ENV, reset_ffn_client
 from afd_ray.attention.plugin import afd_architecture
 from afd_ray.connector.channel import FFNChannel
 from afd_ray.control.membership import AttentionAssignment
-from afd_ray.ffn.runtime import FFNRuntime, FFNStats
+from afd_ray.ffn.runtime import FFNRuntime
+from afd_ray.observability.stats import FFNStats
 from afd_ray.models import Family
 from afd_ray.models.tiny import build_tiny
 

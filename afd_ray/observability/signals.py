@@ -2,7 +2,7 @@
 aggregate of it as a `MetricsSnapshot`.
 
 Attention ranks report `AttentionReport`s (vLLM's own stats, gathered by
-`afd_ray.autoscale.recorder.AttentionRecorder`); FFN ranks report their cumulative
+`afd_ray.observability.recorder.AttentionRecorder`); FFN ranks report their cumulative
 `FFNStats`. `SignalAggregator` keeps the last `window_s` seconds of both and turns
 them into one snapshot: percentiles over the window's samples (not averages of
 per-rank percentiles), rates from counter deltas over the window.
@@ -18,7 +18,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from afd_ray.autoscale.policy import MetricsSnapshot
-from afd_ray.ffn.runtime import FFNStats
+from afd_ray.observability.stats import FFNStats
 
 __all__ = ["AttentionReport", "SignalAggregator", "p90"]
 

@@ -15,7 +15,7 @@ from vllm.config import VllmConfig
 from vllm.v1.metrics.loggers import StatLoggerBase
 from vllm.v1.metrics.stats import IterationStats, MultiModalCacheStats, SchedulerStats
 
-from afd_ray.autoscale.signals import AttentionReport
+from afd_ray.observability.signals import AttentionReport
 
 __all__ = ["AttentionRecorder"]
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from afd_ray.autoscale.signals import AttentionReport, SignalAggregator
-from afd_ray.ffn.runtime import FFNStats
+from afd_ray.observability.signals import AttentionReport, SignalAggregator
+from afd_ray.observability.stats import FFNStats
 
 
 def test_attention_percentiles_pool_every_rank_and_gauges_use_latest() -> None:

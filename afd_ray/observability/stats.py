@@ -1,0 +1,27 @@
+"""Counters one FFN rank keeps and reports to the coordinator."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["FFNStats"]
+
+
+@dataclass(frozen=True)
+class FFNStats:
+    """Counters of one FFN rank since start; replaced whole at each step boundary, so a
+    snapshot read from another thread is always consistent."""
+
+    steps: int = 0
+    """Forward steps served."""
+    layers: int = 0
+    """FFN layer computations (steps x layers)."""
+    tokens: int = 0
+    """Token rows served, summed over steps (not over layers)."""
+    busy_s: float = 0.0
+    """Wall time spent inside steps (receive + compute + send), seconds."""
+    a2f_bytes: int = 0
+    """Bytes received from attention peers (hidden states, and top-k ids and weights
+    with `gate_on_attention`), summed over layers."""
+    f2a_bytes: int = 0
+    """Bytes sent back to attention peers (FFN outputs), summed over layers."""
