@@ -1,0 +1,165 @@
+"""The coordinator's registry: pool members, the epoch counter and the FFN layout.
+
+Epochs. One counter, bumped by every membership change that members act on: moving
+an attention rank to another FFN peer (its pair channel is opened under the new
+epoch; the FFN drops any later header of the old pairing) and switching the FFN
+layout (the EP group of the new epoch replaces the old one at one step boundary).
+
+Every change goes through a method here and wakes `wait`ers; the registry decides
+nothing (placement does) and starts nothing (the resize orchestration does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from afd_ray.connector.channel import FFNAddress
+from afd_ray.control.membership import (
+    AttentionAssignment,
+    AttentionMember,
+    EPAssignment,
+    FFNDirective,
+    FFNMember,
+    LayoutPlan,
+    MemberState,
+)
+from afd_ray.control.placement import least_loaded, peer_load
+
+__all__ = ["Plan", "Registry"]
+
+logger = logging.getLogger("ray.serve")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A pending FFN layout: `ranks` in EP order from `epoch` on; `leaving` drops out."""
+
+    epoch: int
+    ranks: tuple[int, ...]
+    leaving: int | None
+
+
+class Registry:
+    """Members of both pools, the epoch, the serving FFN layout and a pending plan.
+
+    Args:
+        backend: collective backend of pair and EP groups (gloo | nccl | hccl).
+        timeout_s: rendezvous and receive bound handed to members, seconds.
+        first_layout_size: FFN ranks that form the first layout (epoch 0).
+    """
+
+    def __init__(self, backend: str, timeout_s: float, first_layout_size: int) -> None:
+        self.backend = backend
+        self.timeout_s = timeout_s
+        self._first_layout_size = first_layout_size
+        self.epoch = 0
+        self.layout: tuple[int, ...] = ()
+        """FFN ranks in EP order serving since `layout_epoch`."""
+        self.layout_epoch = 0
+        self.plan: Plan | None = None
+        self.ffn: dict[int, FFNMember] = {}
+        self.attention: dict[int, AttentionMember] = {}
+        self._next_attention = 0
+        self.vanished: set[int] = set()
+        """Attention ranks whose replica vanished without leaving (their FFN peer drops them)."""
+        self._changed = asyncio.Condition()
+
+    # --- changes -----------------------------------------------------------------
+
+    def next_epoch(self) -> int:
+        """Bump and return the epoch."""
+        self.epoch += 1
+        return self.epoch
+
+    def add_ffn(self, address: FFNAddress) -> int:
+        """A new FFN rank (STARTING) serving at `address`; the first
+        `first_layout_size` ranks form the first layout."""
+        rank = len(self.ffn)
+        self.ffn[rank] = FFNMember(rank=rank, address=address)
+        if not self.layout and len(self.ffn) == self._first_layout_size:
+            self.layout = tuple(sorted(self.ffn))
+        return rank
+
+    def update_ffn(self, rank: int, **update: object) -> None:
+        self.ffn[rank] = self.ffn[rank].model_copy(update=update)
+
+    def add_attention(self, replica: str) -> AttentionMember:
+        """A new attention rank (STARTING) peered with the least loaded FFN rank of
+        the layout, under the current epoch. Requires a layout."""
+        member = AttentionMember(
+            rank=self._next_attention, ffn_peer=least_loaded(peer_load(self.attention, self.layout)),
+            epoch=self.epoch, replica=replica,
+        )  # fmt: skip
+        self._next_attention += 1
+        self.attention[member.rank] = member
+        return member
+
+    def set_attention(self, rank: int, state: MemberState, **update: object) -> None:
+        """Move attention rank `rank` to `state` (forward only, `MemberState.to`)."""
+        member = self.attention[rank]
+        self.attention[rank] = member.model_copy(update={"state": member.state.to(state), **update})
+        logger.info("attention rank %d: %s -> %s", rank, member.state.value, state.value)
+
+    def repeer(self, rank: int, ffn_peer: int) -> None:
+        """Move attention rank `rank` to FFN peer `ffn_peer` under a new epoch."""
+        member = self.attention[rank]
+        self.attention[rank] = member.model_copy(update={"ffn_peer": ffn_peer, "epoch": self.next_epoch()})
+        logger.info("attention rank %d: FFN peer %d -> %d (epoch %d)", rank, member.ffn_peer, ffn_peer, self.epoch)
+
+    def switch_layout(self, plan: Plan) -> None:
+        """`plan` serves: its ranks become the layout, READY, with their EP ranks."""
+        self.layout, self.layout_epoch, self.plan = plan.ranks, plan.epoch, None
+        for r in plan.ranks:
+            member = self.ffn[r]
+            self.update_ffn(r, state=member.state.to(MemberState.READY), ep_rank=plan.ranks.index(r))
+        logger.info("FFN layout of epoch %d serves: EP ranks %s", plan.epoch, plan.ranks)
+
+    # --- what members get ----------------------------------------------------------
+
+    def ep_assignment(self, rank: int, ranks: tuple[int, ...], epoch: int) -> EPAssignment:
+        """FFN rank `rank`'s place in the layout `ranks` of `epoch`; the first rank's
+        store hosts the EP rendezvous."""
+        host = self.ffn[ranks[0]].address
+        return EPAssignment(
+            ep_rank=ranks.index(rank), ep_size=len(ranks), host=host.host, store_port=host.store_port,
+            epoch=epoch, backend=self.backend, timeout_s=self.timeout_s,
+        )  # fmt: skip
+
+    def attention_assignment(self, rank: int) -> AttentionAssignment:
+        """Attention rank `rank`'s current FFN peer and pairing epoch."""
+        member = self.attention[rank]
+        address = self.ffn[member.ffn_peer].address
+        return AttentionAssignment(
+            peer=member.rank, ffn_rank=member.ffn_peer, host=address.host, store_port=address.store_port,
+            control_port=address.control_port, epoch=member.epoch, backend=self.backend,
+            timeout_s=self.timeout_s,
+        )  # fmt: skip
+
+    def ffn_directive(self, rank: int, epoch: int) -> FFNDirective:
+        """The answer to FFN rank `rank` serving `epoch`: the pending plan it must
+        prepare (if it is in it or leaves by it) and its vanished attention peers."""
+        dead = [r for r in sorted(self.vanished) if self.attention[r].ffn_peer == rank]
+        plan = self.plan
+        if plan is None or epoch >= plan.epoch or (rank not in plan.ranks and rank != plan.leaving):
+            return FFNDirective(dead_peers=dead)
+        assignment = self.ep_assignment(rank, plan.ranks, plan.epoch) if rank in plan.ranks else None
+        return FFNDirective(plan=LayoutPlan(epoch=plan.epoch, assignment=assignment), dead_peers=dead)
+
+    # --- waiting for changes -------------------------------------------------------
+
+    async def notify(self) -> None:
+        """Wake every `wait` to re-check its condition."""
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def wait(self, condition: Callable[[], bool], wait_s: float) -> None:
+        """Until `condition()` holds (re-checked on every `notify`).
+
+        Raises:
+            TimeoutError: it did not within `wait_s` seconds.
+        """
+        async with self._changed:
+            await asyncio.wait_for(self._changed.wait_for(condition), wait_s)

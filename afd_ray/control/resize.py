@@ -1,0 +1,239 @@
+"""Resize orchestration: changes the pool sizes through Serve and walks the members
+through each change, one resize at a time, each returning once the new layout serves.
+
+- attention +n: Serve starts replicas; each registers (STARTING), gets the least
+  loaded FFN peer, starts its engine, reports READY; its peer admits it at a step
+  boundary. Nobody else pauses.
+- attention -n: Serve picks replicas and drains them (no new requests, running ones
+  finish up to `autoscale.drain_timeout_s`, then end with an explicit error); the
+  replica's destructor closes its pair channel (LEAVE) and reports GONE.
+- FFN +n (make before break): Serve starts replicas; each registers and waits for a
+  `LayoutPlan`; every FFN rank of the new layout loads its new expert shard and opens
+  the new EP group while the old layout serves; all switch at one agreed step
+  boundary; then attention ranks are rebalanced onto the new ranks.
+- FFN -n: Serve picks a replica and calls its destructor, which calls `ffn_leaving`:
+  its attention peers move to the remaining ranks, the remaining ranks load the
+  experts it owned and switch to an EP group without it, then it is GONE.
+
+It also watches Serve's replica states: a stopping attention replica is DRAINING, a
+vanished one GONE (its FFN peer drops its pair).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from afd_ray.config import AttentionPoolConfig, AutoscaleConfig, FFNPoolConfig
+from afd_ray.control.membership import MemberState, ResizeEvent, ScaleRequest
+from afd_ray.control.placement import check_sizes, joining, live_count, rebalance_moves
+from afd_ray.control.registry import Plan, Registry
+from afd_ray.control.serve_api import replica_states, set_num_replicas
+
+__all__ = ["ATTENTION_DEPLOYMENT", "FFN_DEPLOYMENT", "Resizer"]
+
+logger = logging.getLogger("ray.serve")
+"""Serve's logger: resizes show in the coordinator replica's log and on the console."""
+
+ATTENTION_DEPLOYMENT = "attention"
+FFN_DEPLOYMENT = "ffn"
+_SETTLE_S = 0.5
+"""How long a resize waits, once the new layout serves, for the FFN ranks' reports of
+the step-boundary pauses it caused (they report every 0.2 s), seconds."""
+WATCH_PERIOD_S = 0.5
+"""How often the coordinator reads Serve's replica states (draining, dead ranks)."""
+
+
+class Resizer:
+    """Runs resizes and FFN scale-ins against `registry` and Serve.
+
+    Args:
+        registry: the members, epoch and layout it changes.
+        app: the Serve application's name.
+        attention, ffn: pool sizes at start and resize bounds.
+        autoscale: drain and resize timeouts.
+    """
+
+    def __init__(
+        self,
+        registry: Registry,
+        app: str,
+        attention: AttentionPoolConfig,
+        ffn: FFNPoolConfig,
+        autoscale: AutoscaleConfig,
+    ) -> None:
+        self._registry = registry
+        self._app = app
+        self._attention_pool, self._ffn_pool = attention, ffn
+        self._timeout_s = autoscale.resize_timeout_s
+        self.targets = {ATTENTION_DEPLOYMENT: attention.num_ranks, FFN_DEPLOYMENT: ffn.num_ranks}
+        self.resizes: list[ResizeEvent] = []
+        self._pause_s = 0.0
+        self._bytes = 0
+        self._resize_lock = asyncio.Lock()
+        self._layout_lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task[ResizeEvent]] = set()
+
+    @property
+    def busy(self) -> bool:
+        """A resize is running."""
+        return self._resize_lock.locked()
+
+    def record_pause(self, pause_s: float) -> None:
+        """An FFN rank paused its steps `pause_s` seconds at a step boundary."""
+        self._pause_s = max(self._pause_s, pause_s)
+
+    def record_bytes(self, num_bytes: int) -> None:
+        """An FFN rank loaded `num_bytes` of weights for a new layout."""
+        self._bytes += num_bytes
+
+    def check(self, request: ScaleRequest) -> None:
+        """Raises ValueError naming the field when a size of `request` is outside its
+        pool's `min_ranks`..`max_ranks`."""
+        check_sizes(request.attention, request.ffn, self._attention_pool, self._ffn_pool)
+
+    async def scale(self, request: ScaleRequest, reason: str) -> ResizeEvent:
+        """Resize both pools to `request` (within bounds: `check`) and return once the
+        new layout serves.
+
+        An accepted resize runs to its end and is recorded even when the caller goes
+        away (a client leaving POST /afd/scale cancels this call): stopping halfway
+        would leave a layout nobody asked for.
+        """
+        resize = asyncio.create_task(self._scale(request, reason))
+        self._tasks.add(resize)
+        resize.add_done_callback(self._tasks.discard)
+        return await asyncio.shield(resize)
+
+    async def _scale(self, request: ScaleRequest, reason: str) -> ResizeEvent:
+        registry = self._registry
+        async with self._resize_lock:
+            before = (live_count(registry.attention), len(registry.layout))
+            started = time.time()
+            self._pause_s, self._bytes = 0.0, 0
+            logger.info("resize %dA:%dF -> %dA:%dF (%s)", *before, request.attention, request.ffn, reason)
+            error = None
+            try:
+                await asyncio.wait_for(self._resize(request), self._timeout_s)
+                await asyncio.sleep(_SETTLE_S)  # the FFN ranks' reports of the last boundary pauses
+            except Exception as exc:
+                error = f"{type(exc).__name__}: {exc}"
+                logger.exception("resize failed")
+            event = ResizeEvent(
+                reason=reason, from_attention=before[0], from_ffn=before[1], to_attention=request.attention,
+                to_ffn=request.ffn, epoch=registry.epoch, started_s=started, duration_s=time.time() - started,
+                pause_s=self._pause_s, bytes_loaded=self._bytes, error=error,
+            )  # fmt: skip
+            self.resizes.append(event)
+            logger.info("resize done: %s", event.model_dump_json())
+            return event
+
+    async def _resize(self, request: ScaleRequest) -> None:
+        registry, wait_s = self._registry, self._timeout_s
+        if request.attention != self.targets[ATTENTION_DEPLOYMENT]:
+            self.targets[ATTENTION_DEPLOYMENT] = request.attention
+            await set_num_replicas(self._app, ATTENTION_DEPLOYMENT, request.attention)
+            await registry.wait(
+                lambda: sum(m.state is MemberState.READY for m in registry.attention.values()) == request.attention
+                and all(m.state in (MemberState.READY, MemberState.GONE) for m in registry.attention.values()),
+                wait_s,
+            )
+            async with self._layout_lock:
+                await self._rebalance(registry.layout)
+            await self._serve_routes(ATTENTION_DEPLOYMENT, request.attention, wait_s)
+        if request.ffn != self.targets[FFN_DEPLOYMENT]:
+            grow = request.ffn > len(registry.layout)
+            self.targets[FFN_DEPLOYMENT] = request.ffn
+            await set_num_replicas(self._app, FFN_DEPLOYMENT, request.ffn)
+            if grow:
+                await registry.wait(
+                    lambda: len(registry.layout) + len(joining(registry.ffn, registry.layout)) >= request.ffn, wait_s
+                )
+                async with self._layout_lock:
+                    ranks = registry.layout + joining(registry.ffn, registry.layout)
+                    await self._switch_layout(ranks, leaving=None)
+                    await self._rebalance(ranks)
+            else:
+                await registry.wait(lambda: len(registry.layout) == request.ffn and registry.plan is None, wait_s)
+
+    async def ffn_leaving(self, rank: int) -> None:
+        """Scale-in of FFN rank `rank` (its replica is stopping): move its attention
+        peers to the remaining ranks, switch the layout without it, mark it GONE.
+        Returns once it serves nothing; the replica may then exit.
+
+        Raises:
+            TimeoutError: not done within `autoscale.resize_timeout_s`.
+        """
+        registry = self._registry
+        async with self._layout_lock:
+            registry.update_ffn(rank, state=registry.ffn[rank].state.to(MemberState.DRAINING))
+            remaining = tuple(r for r in registry.layout if r != rank)
+            if rank in registry.layout and remaining:
+                logger.info("FFN rank %d leaving: layout %s -> %s", rank, registry.layout, remaining)
+                await self._rebalance(remaining)
+                await self._switch_layout(remaining, leaving=rank)
+            registry.update_ffn(rank, state=MemberState.GONE, ep_rank=None)
+            await registry.notify()
+
+    async def _switch_layout(self, ranks: tuple[int, ...], leaving: int | None) -> None:
+        """Make before break: publish the plan, wait until every rank of the old and
+        the new layout serves its epoch (they switch together at one step boundary)."""
+        registry = self._registry
+        plan = Plan(registry.next_epoch(), ranks, leaving)
+        registry.plan = plan
+        await registry.notify()
+        involved = set(ranks) | set(registry.layout)
+        await registry.wait(lambda: all(registry.ffn[r].epoch >= plan.epoch for r in involved), self._timeout_s)
+        registry.switch_layout(plan)
+        await registry.notify()
+
+    async def _rebalance(self, ranks: tuple[int, ...]) -> None:
+        """Apply `placement.rebalance_moves` onto `ranks`, each move a new epoch.
+        Returns once every moved rank re-peered (or is GONE)."""
+        registry = self._registry
+        moved = []
+        for rank, ffn_peer in rebalance_moves(registry.attention, ranks):
+            registry.repeer(rank, ffn_peer)
+            moved.append(rank)
+        await registry.notify()
+        await registry.wait(
+            lambda: all(registry.attention[r].peered_epoch >= registry.attention[r].epoch
+                        or registry.attention[r].state is MemberState.GONE for r in moved),
+            self._timeout_s,
+        )  # fmt: skip
+
+    async def _serve_routes(self, deployment: str, num_replicas: int, wait_s: float) -> None:
+        """Until Serve runs exactly `num_replicas` replicas of `deployment` (new ones
+        RUNNING, so routed to; stopped ones gone).
+
+        Raises:
+            TimeoutError: not within `wait_s` seconds.
+        """
+        deadline = time.monotonic() + wait_s
+        while list((await replica_states(self._app, deployment)).values()) != ["RUNNING"] * num_replicas:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"Serve did not run {num_replicas} {deployment} replicas within {wait_s} s")
+            await asyncio.sleep(WATCH_PERIOD_S / 2)
+
+    async def watch_replicas(self) -> None:
+        """Forever: mark attention ranks DRAINING when Serve stops their replica, GONE
+        when the replica vanished without leaving (it died or was killed)."""
+        registry = self._registry
+        while True:
+            await asyncio.sleep(WATCH_PERIOD_S)
+            try:
+                states = await replica_states(self._app, ATTENTION_DEPLOYMENT)
+            except Exception:
+                logger.debug("replica states unavailable", exc_info=True)
+                continue
+            for member in list(registry.attention.values()):
+                state = states.get(member.replica)
+                if member.state is MemberState.READY and state == "STOPPING":
+                    registry.set_attention(member.rank, MemberState.DRAINING)
+                    await registry.notify()
+                elif member.state in (MemberState.READY, MemberState.DRAINING) and state is None:
+                    logger.warning("attention rank %d: replica %s vanished", member.rank, member.replica)
+                    registry.vanished.add(member.rank)
+                    registry.set_attention(member.rank, MemberState.GONE)
+                    await registry.notify()

@@ -1,0 +1,156 @@
+"""The coordinator's pure placement functions and its registry, without Ray: peer
+assignment, rebalance onto a new FFN layout, bounds, and the FFN directive."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+
+import pytest
+
+from afd_ray.config import AttentionPoolConfig, FFNPoolConfig
+from afd_ray.connector.channel import FFNAddress
+from afd_ray.control.membership import AttentionMember, FFNMember, MemberState
+from afd_ray.control.placement import (
+    check_sizes,
+    clamp,
+    joining,
+    least_loaded,
+    live_count,
+    peer_load,
+    rebalance_moves,
+)
+from afd_ray.control.registry import Plan, Registry
+
+READY, STARTING, DRAINING, GONE = MemberState.READY, MemberState.STARTING, MemberState.DRAINING, MemberState.GONE
+
+
+def _members(*peers: tuple[int, MemberState]) -> dict[int, AttentionMember]:
+    return {r: AttentionMember(rank=r, ffn_peer=p, state=s) for r, (p, s) in enumerate(peers)}
+
+
+def _apply(attention: dict[int, AttentionMember], moves: list[tuple[int, int]]) -> dict[int, AttentionMember]:
+    out = dict(attention)
+    for rank, peer in moves:
+        out[rank] = out[rank].model_copy(update={"ffn_peer": peer})
+    return out
+
+
+def test_least_loaded_breaks_ties_by_lowest_rank() -> None:
+    assert least_loaded({0: 1, 1: 0, 2: 0}) == 1
+    assert least_loaded({3: 2, 1: 2}) == 1
+    with pytest.raises(ValueError):
+        least_loaded({})
+
+
+def test_peer_load_ignores_gone_and_outside_ranks() -> None:
+    attention = _members((0, READY), (0, GONE), (1, STARTING), (5, READY), (1, DRAINING))
+    assert peer_load(attention, (0, 1)) == {0: 1, 1: 2}
+
+
+def test_new_ranks_spread_floor_ceil() -> None:
+    for num_ffn, num_attention in itertools.product(range(1, 5), range(0, 11)):
+        registry = Registry("gloo", 1.0, num_ffn)
+        for _ in range(num_ffn):
+            registry.add_ffn(FFNAddress("127.0.0.1", 1, 2))
+        for _ in range(num_attention):
+            registry.add_attention("replica")
+        load = peer_load(registry.attention, registry.layout)
+        assert max(load.values()) - min(load.values()) <= 1
+        assert sum(load.values()) == num_attention
+
+
+def test_rebalance_moves_strays_off_a_leaving_rank() -> None:
+    attention = _members((0, READY), (1, READY), (1, READY), (0, READY))
+    moves = rebalance_moves(attention, (0,))  # FFN rank 1 leaves
+    assert moves == [(1, 0), (2, 0)]
+    assert set(peer_load(_apply(attention, moves), (0,)).values()) == {4}
+
+
+def test_rebalance_moves_onto_a_new_rank() -> None:
+    attention = _members((0, READY), (0, READY), (0, READY), (0, READY))
+    moves = rebalance_moves(attention, (0, 1))  # FFN rank 1 joins
+    assert moves == [(0, 1), (1, 1)]
+    assert rebalance_moves(_apply(attention, moves), (0, 1)) == []
+
+
+def test_rebalance_never_moves_starting_or_draining_ranks() -> None:
+    # The busiest FFN rank has no READY peer: the coordinator's loop raised
+    # StopIteration here (inside a resize: RuntimeError) before the split.
+    attention = _members((0, STARTING), (0, DRAINING), (0, STARTING))
+    assert rebalance_moves(attention, (0, 1)) == []
+    assert rebalance_moves(_members((0, STARTING), (0, STARTING), (0, STARTING), (1, READY)), (0, 1, 2)) == []
+    # a STARTING rank stranded on a leaving FFN rank is not moved either (it is not READY)
+    assert rebalance_moves(_members((1, STARTING), (0, READY)), (0,)) == []
+
+
+def test_rebalance_always_balances_ready_ranks() -> None:
+    rng = random.Random(0)
+    for _ in range(300):
+        old = rng.randint(1, 4)
+        new = tuple(sorted(rng.sample(range(6), rng.randint(1, 4))))
+        attention = _members(*[(rng.randrange(old), rng.choice([READY, READY, GONE])) for _ in range(rng.randint(0, 9))])
+        after = _apply(attention, rebalance_moves(attention, new))
+        load = peer_load(after, new)
+        assert max(load.values()) - min(load.values()) <= 1, (attention, new)
+        assert all(m.ffn_peer in new for m in after.values() if m.state is READY)
+        assert all(after[r] == attention[r] for r in attention if attention[r].state is GONE)
+
+
+def test_joining_and_live_count() -> None:
+    address = FFNAddress("h", 1, 2)
+    ffn = {0: FFNMember(rank=0, address=address, state=READY), 1: FFNMember(rank=1, address=address),
+           2: FFNMember(rank=2, address=address, state=GONE), 3: FFNMember(rank=3, address=address)}  # fmt: skip
+    assert joining(ffn, (0,)) == (1, 3)
+    assert joining(ffn, (0, 3)) == (1,)
+    assert live_count(ffn) == 3
+
+
+def test_bounds_name_the_field() -> None:
+    attention = AttentionPoolConfig(num_ranks=1, min_ranks=1, max_ranks=3)
+    ffn = FFNPoolConfig(num_ranks=2, min_ranks=2)
+    check_sizes(3, 2, attention, ffn)
+    with pytest.raises(ValueError, match=r"attention: 4 is outside \[1, 3\]"):
+        check_sizes(4, 2, attention, ffn)
+    with pytest.raises(ValueError, match=r"ffn: 1 is outside \[2, 2\]"):
+        check_sizes(1, 1, attention, ffn)
+    assert (clamp(0, attention), clamp(9, attention), clamp(2, attention)) == (1, 3, 2)
+
+
+def test_registry_directive_and_layout_switch() -> None:
+    registry = Registry("gloo", 5.0, 1)
+    assert registry.add_ffn(FFNAddress("h0", 10, 11)) == 0
+    assert registry.layout == (0,)
+    registry.add_ffn(FFNAddress("h1", 20, 21))
+    member = registry.add_attention("r0")
+    registry.set_attention(member.rank, READY, peered_epoch=0)
+    assert registry.ffn_directive(0, 0).plan is None
+    plan = Plan(registry.next_epoch(), (0, 1), None)
+    registry.plan = plan
+    directive = registry.ffn_directive(1, -1)
+    assert directive.plan is not None and directive.plan.epoch == 1
+    assignment = directive.plan.assignment
+    assert (assignment.ep_rank, assignment.ep_size, assignment.host, assignment.store_port) == (1, 2, "h0", 10)
+    assert registry.ffn_directive(1, 1).plan is None  # already serves the plan's epoch
+    registry.switch_layout(plan)
+    assert (registry.layout, registry.layout_epoch, registry.plan) == ((0, 1), 1, None)
+    assert [registry.ffn[r].state for r in (0, 1)] == [READY, READY]
+    registry.repeer(member.rank, 1)
+    assert registry.attention_assignment(member.rank).store_port == 20 and registry.epoch == 2
+    registry.vanished.add(member.rank)
+    assert registry.ffn_directive(1, 1).dead_peers == [member.rank]
+
+
+def test_registry_wait_wakes_on_notify_and_times_out() -> None:
+    async def run() -> None:
+        registry = Registry("gloo", 5.0, 1)
+        waiter = asyncio.create_task(registry.wait(lambda: bool(registry.layout), 5))
+        await asyncio.sleep(0)
+        registry.add_ffn(FFNAddress("h", 1, 2))
+        await registry.notify()
+        await asyncio.wait_for(waiter, 1)
+        with pytest.raises(TimeoutError):
+            await registry.wait(lambda: False, 0.05)
+
+    asyncio.run(run())
