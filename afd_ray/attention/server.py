@@ -39,16 +39,20 @@ from vllm.entrypoints.openai.completion.protocol import (
 from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
 from vllm.entrypoints.openai.models.protocol import BaseModelPath
 from vllm.entrypoints.openai.models.serving import OpenAIServingModels
-from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse, ModelList
-from vllm.entrypoints.serve.exception_handling.error_response import (
-    create_error_response,
-)
 from vllm.renderers.online_renderer import OnlineRenderer
 from vllm.usage.usage_lib import UsageContext
 from vllm.v1.engine.async_llm import AsyncLLM
 
 from afd_ray.attention.engine import engine_args, engine_env
 from afd_ray.attention.ffn_client import ASSIGNMENT_ENV
+from afd_ray.compat import (
+    ErrorInfo,
+    ErrorResponse,
+    ModelList,
+    create_error_response,
+    num_unfinished_requests,
+    warmup_renderer,
+)
 from afd_ray.config import (
     AttentionPoolConfig,
     AutoscaleConfig,
@@ -150,7 +154,7 @@ class AttentionServer:
             chat_template=None,
             chat_template_content_format="auto",
         )
-        renderer.warmup()
+        warmup_renderer(renderer)
         self._chat = OpenAIServingChat(
             self._engine,
             self._models,
@@ -168,7 +172,7 @@ class AttentionServer:
         """Send the coordinator this rank's autoscaling signals every `_REPORT_PERIOD_S`."""
         while True:
             await asyncio.sleep(_REPORT_PERIOD_S)
-            report = self._recorder.drain(self._engine.get_num_unfinished_requests())
+            report = self._recorder.drain(num_unfinished_requests(self._engine))
             await coordinator.report_attention.remote(self.rank, report)
 
     async def _watch(self) -> None:
@@ -254,7 +258,7 @@ class AttentionServer:
 
     async def num_unfinished_requests(self) -> int:
         """Requests the engine holds now: admitted and neither finished nor aborted."""
-        return self._engine.get_num_unfinished_requests()
+        return num_unfinished_requests(self._engine)
 
     async def param_bytes(self) -> dict[str, int]:
         """Resident parameter bytes of the attention-role model in the vLLM worker,

@@ -2,7 +2,8 @@
 A2F + F2A round trip per layer, eager and in CUDA graphs, on two GPUs.
 
 `PYTHONPATH=. python3 -m afd_ray.bench.decode_nvlink --out nvlink.json` starts two
-processes (rank 0: attention side on GPU 0, rank 1: FFN side on GPU 1), joined by a
+processes (rank 0: attention side on GPU 0, rank 1: FFN side on GPU 1; with
+`--one-gpu` both on GPU 0, the `cuda_ipc` case of a 1-GPU AFD layout), joined by a
 gloo default process group whose store carries the symmetric-memory rendezvous. No
 NCCL, Ray, vLLM or ZeroMQ: the transport alone, not yet wired into the decode step.
 
@@ -45,6 +46,7 @@ import torch.distributed as dist
 
 from afd_ray.bench.spawn import run_pair
 from afd_ray.connector.nvlink import AttentionNVLink, FFNNVLink, SlotLayout
+from afd_ray.connector.process_group import registered_gloo_group
 
 __all__ = ["main"]
 
@@ -104,10 +106,14 @@ class NVLinkBench:
     def __init__(self, rank: int, args: argparse.Namespace) -> None:
         self.rank = rank
         self.args = args
-        torch.cuda.set_device(rank)
-        self.device = torch.device("cuda", rank)
+        self.device = torch.device("cuda", 0 if args.one_gpu else rank)
+        torch.cuda.set_device(self.device)
         self.results: dict = {"failed": {}}
-        group_name = dist.group.WORLD.group_name
+        # The pair's own stateless group over the store, registered by name, as the
+        # serving path makes it (the default group serves the bench's barriers).
+        store = dist.PrefixStore("afd/pair/0/0", dist.distributed_c10d._get_default_store())
+        group_name = "afd-pair-0-0"
+        registered_gloo_group(store, rank, 2, args.timeout_s, group_name)
         side = AttentionNVLink if rank == 0 else FFNNVLink
 
         def link(slots: int) -> AttentionNVLink | FFNNVLink:
@@ -260,8 +266,9 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
     bench = NVLinkBench(rank, args)
     bench.results.update(
         {
-            "gpu": torch.cuda.get_device_name(rank),
-            "gpus": 2,
+            "gpu": torch.cuda.get_device_name(bench.device),
+            "gpus": 1 if args.one_gpu else 2,
+            "mps": os.environ.get("CUDA_MPS_PIPE_DIRECTORY") is not None,
             "torch": torch.__version__,
             "transport": "torch symmetric memory (CUDA backend, multicast off): peer writes + put/wait_signal",
             "symm_mem_backend": os.environ.get("TORCH_SYMMMEM", "CUDA"),
@@ -302,14 +309,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--flag-timeout-ms", type=int, default=20_000, help="device-side bound on a flag wait"
     )
     parser.add_argument("--timeout-s", type=float, default=170.0, help="each rank exits after this")
+    parser.add_argument(
+        "--one-gpu", action="store_true", help="both sides on GPU 0 (two processes on one GPU)"
+    )
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     """Run the benchmark in two spawned processes; exit status 1 if either failed."""
     args = parse_args(argv)
-    if torch.cuda.device_count() < 2:
-        raise SystemExit(f"needs 2 CUDA GPUs, found {torch.cuda.device_count()}")
+    if torch.cuda.device_count() < (1 if args.one_gpu else 2):
+        raise SystemExit(f"needs {1 if args.one_gpu else 2} CUDA GPUs, found {torch.cuda.device_count()}")
     run_pair(_rank_main, args)
 
 

@@ -64,6 +64,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed._symmetric_memory as symm_mem
 
+from afd_ray.compat import allow_symm_mem_shared_device
+
 __all__ = ["AttentionNVLink", "FFNNVLink", "SlotLayout"]
 
 _BARRIER_CHANNEL = 0
@@ -176,6 +178,7 @@ class _SymmetricPair:
         backend = os.environ.get("TORCH_SYMMMEM", _SYMM_MEM_BACKEND)
         if backend != _SYMM_MEM_BACKEND:
             raise ValueError(f"TORCH_SYMMMEM={backend}: the NVLink pair needs torch's CUDA backend")
+        allow_symm_mem_shared_device()  # both sides may run on one GPU (1-GPU layout)
         self._buffer = symm_mem.empty(layout.numel, dtype=dtype, device=device)
         self._handle = symm_mem.rendezvous(self._buffer, group_name)
         if self._handle.world_size != 2:

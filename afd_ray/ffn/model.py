@@ -7,6 +7,7 @@ expert parallelism each EP rank builds the stack with only its own routed expert
 
 from __future__ import annotations
 
+import zlib
 from pathlib import Path
 
 import torch
@@ -19,7 +20,7 @@ from afd_ray.ffn.moe import MoE
 from afd_ray.ffn.placement import owned_experts
 from afd_ray.weights import ffn_layer_params
 
-__all__ = ["FFNStack", "load_ffn_stack"]
+__all__ = ["FFNStack", "load_ffn_stack", "random_fill"]
 
 _KEEP_FLOAT32 = "e_score_correction_bias"
 """Checkpoint tensors loaded without rounding to the model dtype (transformers keeps
@@ -101,6 +102,20 @@ class FFNStack(nn.Module):
         }
 
 
+def random_fill(target: torch.Tensor, key: str) -> None:
+    """Fill a parameter in place with random values seeded by `key` (the same values
+    on every run and EP shard): a matrix `[..., fan_in]` with N(0, 1/fan_in), so the
+    activations keep their scale through the layers; a vector (bias,
+    `e_score_correction_bias`) with zeros."""
+    with torch.no_grad():
+        if target.dim() < 2:
+            target.zero_()
+            return
+        generator = torch.Generator(target.device).manual_seed(zlib.crc32(key.encode()))
+        values = torch.randn(target.shape, generator=generator, device=target.device, dtype=torch.float32)
+        target.copy_(values * target.shape[-1] ** -0.5)
+
+
 def load_ffn_stack(
     checkpoint: Path,
     dtype: torch.dtype,
@@ -109,6 +124,7 @@ def load_ffn_stack(
     ep_size: int = 1,
     gate_on_attention: bool = False,
     reuse: FFNStack | None = None,
+    random_weights: bool = False,
 ) -> FFNStack:
     """Build the FFN stack of `checkpoint` with only FFN-role tensors loaded.
 
@@ -123,6 +139,11 @@ def load_ffn_stack(
     the checkpoint, so only newly owned routed experts are read (the new stack's
     `loaded_bytes`).
 
+    `random_weights`: read nothing but `config.json` and fill every tensor with
+    seeded random values (`random_fill`), the FFN-role counterpart of vLLM's
+    `load_format="dummy"`, so that benchmark-sized models run without their
+    weights (`ModelConfig.load_format`). `loaded_bytes` stays 0.
+
     Raises:
         ValueError: unsupported architecture, bad EP rank, or a missing/unexpected
             FFN tensor.
@@ -131,6 +152,10 @@ def load_ffn_stack(
     with torch.device("meta"):
         stack = FFNStack(config, dtype, ep_rank, ep_size, gate_on_attention)
     stack.to_empty(device=device)
+    if random_weights:
+        for (layer, name), target in stack.checkpoint_tensors().items():
+            random_fill(target, f"{layer}/{name}")
+        return stack.eval()
     targets = stack.checkpoint_tensors()
     owned = {e for block in stack.layers if isinstance(block, MoE) for e in block.experts.owned}
     unexpected = []

@@ -7,6 +7,7 @@ from torch import nn
 
 from afd_ray.ffn.experts import Experts
 from afd_ray.ffn.family import MoEShape
+from afd_ray.ffn.fused import fused_experts_applies, fused_moe
 from afd_ray.ffn.mlp import GatedMLP
 from afd_ray.ffn.routing import Router, Routing
 
@@ -37,6 +38,7 @@ class MoE(nn.Module):
     ) -> None:
         super().__init__()
         self.spec = shape.routing
+        self.hidden_act = hidden_act
         # gate_on_attention: the attention role routes and sends ids and weights.
         self.gate = Router(shape.routing, hidden_size, dtype) if with_gate else None
         self.experts = Experts(owned, hidden_size, shape.intermediate_size, hidden_act, dtype)
@@ -65,8 +67,10 @@ class MoE(nn.Module):
 
         `routing` is `route(hidden)` when the caller already computed it.
 
-        The k weighted expert rows of a token and the shared experts are summed in
-        float32, then cast once.
+        On CUDA the routed experts run as vLLM's fused MoE kernels (`routed_fused`,
+        the kernels plain vLLM runs); elsewhere as torch grouped GEMMs
+        (`routed_grouped`). The shared experts are added in float32, then the sum is
+        cast once.
 
         Raises:
             RuntimeError: this module holds only an EP shard of the experts.
@@ -76,17 +80,35 @@ class MoE(nn.Module):
             raise RuntimeError(
                 f"MoE.forward needs all {num_experts} experts; this EP shard owns {self.experts.owned}"
             )
-        num_tokens, hidden_size = hidden.shape
         routing = self.route(hidden) if routing is None else routing
-        top_k = routing.ids.shape[1]
-        # [T*k, H]; row t*k+j is token t's j-th expert
-        rows = hidden.unsqueeze(1).expand(-1, top_k, -1).reshape(-1, hidden_size)
-        out = self.experts(rows, routing.ids.flatten(), routing.weights.flatten())  # [T*k, H]
-        out = out.view(num_tokens, top_k, hidden_size).sum(dim=1, dtype=torch.float32)  # [T, H]
+        if fused_experts_applies(hidden, self.hidden_act):
+            out = self.routed_fused(hidden, routing).float()  # [T, H]
+        else:
+            out = self.routed_grouped(hidden, routing)  # [T, H] float32
         shared = self.shared(hidden)
         if shared is not None:
             out += shared
         return out.to(hidden.dtype)
+
+    def routed_fused(self, hidden: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """Routed experts of hidden `[T, H]` (CUDA) with vLLM's `fused_experts`: `[T, H]`
+        in the model dtype (the kernel sums a token's k rows in that dtype).
+
+        Raises:
+            NotImplementedError: vLLM's fused MoE kernels are not available.
+        """
+        experts = self.experts
+        return fused_moe(hidden, experts.gate_up, experts.down, routing.ids, routing.weights, self.hidden_act)
+
+    def routed_grouped(self, hidden: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """Routed experts of hidden `[T, H]` with torch grouped GEMMs (`Experts.forward`):
+        `[T, H]` float32, the k weighted rows of a token summed in float32."""
+        num_tokens, hidden_size = hidden.shape
+        top_k = routing.ids.shape[1]
+        # [T*k, H]; row t*k+j is token t's j-th expert
+        rows = hidden.unsqueeze(1).expand(-1, top_k, -1).reshape(-1, hidden_size)
+        out = self.experts(rows, routing.ids.flatten(), routing.weights.flatten())  # [T*k, H]
+        return out.view(num_tokens, top_k, hidden_size).sum(dim=1, dtype=torch.float32)  # [T, H]
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """Destination tensor of each FFN block name (gate, owned experts, shared

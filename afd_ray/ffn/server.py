@@ -87,6 +87,7 @@ class FFNServer:
         )
         self._coordinator = coordinator
         self._load = (resolve_checkpoint(model), dtype, device, gate_placement == "gate_on_attention")
+        self._random_weights = model.load_format == "dummy"
         self._ep_poll_s = ffn.ep_idle_check_us / 1e6
         self.rank = await coordinator.register_ffn.remote(channel.address)
         assignment = await coordinator.ep_assignment.remote(self.rank, connector.timeout_s)
@@ -109,7 +110,7 @@ class FFNServer:
         checkpoint, dtype, device, gate_on_attention = self._load
         return load_ffn_stack(
             checkpoint, dtype, device, assignment.ep_rank, assignment.ep_size,
-            gate_on_attention=gate_on_attention, reuse=reuse,
+            gate_on_attention=gate_on_attention, reuse=reuse, random_weights=self._random_weights,
         )
 
     async def _ep_group(self, stack: FFNStack, assignment: EPAssignment) -> EPGroup | None:

@@ -23,16 +23,16 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
-from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse, ModelList
-from vllm.entrypoints.serve.exception_handling.error_response import (
-    create_error_response,
-)
-from vllm.entrypoints.serve.exception_handling.handlers.validation import (
-    clean_loc_for_param,
-)
-from vllm.exceptions import VLLMError
 
 from afd_ray.attention.server import ChatChunk, CompletionChunk
+from afd_ray.compat import (
+    VLLM_REQUEST_ERRORS,
+    ErrorInfo,
+    ErrorResponse,
+    ModelList,
+    clean_loc_for_param,
+    create_error_response,
+)
 from afd_ray.config import AttentionPoolConfig, FFNPoolConfig
 from afd_ray.control.membership import ScaleRequest
 
@@ -77,10 +77,13 @@ async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     return _error_response(ErrorResponse(error=error))
 
 
-@app.exception_handler(VLLMError)
-async def _vllm_error(_: Request, exc: VLLMError) -> JSONResponse:
+async def _vllm_error(_: Request, exc: Exception) -> JSONResponse:
     """A check inside vLLM's request models (e.g. no `prompt`): vLLM's own status."""
     return _error_response(create_error_response(exc))
+
+
+for _error in VLLM_REQUEST_ERRORS:
+    app.add_exception_handler(_error, _vllm_error)
 
 
 @app.exception_handler(Exception)

@@ -1,0 +1,210 @@
+"""GPU microbenchmark of one MoE layer of the FFN role against its weight-read floor.
+
+`PYTHONPATH=. python3 -m afd_ray.bench.moe_layer --out moe.json` builds one MoE layer
+of a DeepSeek-V2-Lite shape (H 2048, 64 routed experts of I 1408, top-6 softmax, 2
+shared experts) and of a Qwen3-30B-A3B shape (H 2048, 128 experts of I 768, top-8, no
+shared), bfloat16, with random weights (`afd_ray.ffn.model.random_fill`, what
+`model.load_format: dummy` gives the FFN role), and runs `MoE.forward` exactly as the
+FFN runtime does (gate, routed experts, shared experts), one CUDA graph per T.
+
+1. Correctness first: for each shape and T, the routed experts of vLLM's fused MoE
+   kernels (`MoE.routed_fused`, the product path on CUDA) against torch's grouped GEMMs
+   in float32 on the same bfloat16 weights (`MoE.routed_grouped`), relative Frobenius
+   error; and the graph replay against the eager call, bit for bit.
+2. Timing: median of CUDA-event-timed graph replays of the whole layer, fused
+   (product) and grouped GEMM (the earlier path), per T.
+3. Floor: the layer's weight bytes (gate, every routed expert, shared experts) over
+   the HBM bandwidth measured in the same run (a device-to-device copy of 4 GiB,
+   bytes read + written per second). At T >= 64 with top-6 every expert is hit, so
+   every weight byte must be read once per layer call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from transformers import DeepseekV2Config, PretrainedConfig, Qwen3MoeConfig
+
+from afd_ray.ffn.model import FFNStack, random_fill
+from afd_ray.ffn.moe import MoE
+from afd_ray.ffn.routing import Routing
+
+__all__ = ["main", "moe_shapes"]
+
+_DTYPE = torch.bfloat16
+_REL_TOLERANCE = 2e-2
+"""Bound on ||fused - grouped_fp32|| / ||grouped_fp32|| (bfloat16 GEMM outputs and the
+fused kernel's bfloat16 sum of a token's k rows)."""
+
+
+def moe_shapes() -> dict[str, PretrainedConfig]:
+    """The benchmarked shapes: two decoder layers each (layer 1 is the MoE one)."""
+    return {
+        "deepseek_v2_lite": DeepseekV2Config(
+            hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408, n_routed_experts=64,
+            num_experts_per_tok=6, n_shared_experts=2, num_hidden_layers=2, first_k_dense_replace=1,
+            topk_method="greedy", n_group=1, topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0,
+            num_attention_heads=16, num_key_value_heads=16, vocab_size=1024,
+        ),
+        "qwen3_30b_a3b": Qwen3MoeConfig(
+            hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+            num_experts_per_tok=8, norm_topk_prob=True, num_hidden_layers=2, decoder_sparse_step=1,
+            mlp_only_layers=[], num_attention_heads=32, num_key_value_heads=4, vocab_size=1024,
+        ),
+    }
+
+
+def _moe_block(config: PretrainedConfig, device: torch.device) -> MoE:
+    with torch.device("meta"):
+        stack = FFNStack(config, _DTYPE)
+    stack.to_empty(device=device)
+    for (layer, name), target in stack.checkpoint_tensors().items():
+        random_fill(target, f"{layer}/{name}")
+    block = stack.eval().layers[1]
+    assert isinstance(block, MoE)
+    return block
+
+
+def _median_ms(fn: Callable[[], object], iters: int) -> float:
+    for _ in range(3):
+        fn()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events)
+
+
+def _graph(fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
+    """`fn` captured once (after two eager warm-ups on a side stream); the replay and
+    its static output."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph.replay, out
+
+
+def copy_bandwidth(device: torch.device, gib: int = 4) -> float:
+    """Device-to-device copy rate, bytes read + written per second."""
+    src = torch.empty(gib << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = _median_ms(lambda: dst.copy_(src), 10)
+    del src, dst
+    return 2 * (gib << 30) / (ms / 1e3)
+
+
+def run(args: argparse.Namespace) -> dict:
+    device = torch.device("cuda", 0)
+    results: dict = {
+        "gpu": torch.cuda.get_device_name(device),
+        "torch": torch.__version__,
+        "dtype": str(_DTYPE),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+    }
+    try:
+        import vllm
+
+        results["vllm_version"] = vllm.__version__
+    except ImportError:
+        results["vllm_version"] = None
+    bandwidth = copy_bandwidth(device)
+    results["copy_bandwidth_tb_s"] = bandwidth / 1e12
+    generator = torch.Generator(device).manual_seed(0)
+    for name, config in moe_shapes().items():
+        block = _moe_block(config, device)
+        weight_bytes = sum(p.numel() * p.element_size() for p in block.parameters())
+        floor_ms = weight_bytes / bandwidth * 1e3
+        shape: dict = {"weight_bytes": weight_bytes, "floor_ms": floor_ms, "tokens": {}}
+        results[name] = shape
+        for tokens in args.tokens:
+            x = torch.randn(tokens, config.hidden_size, generator=generator, device=device).to(_DTYPE)
+            with torch.inference_mode():
+                routing = block.route(x)
+                fused = block.routed_fused(x, routing).double()
+                rows = x.float().unsqueeze(1).expand(-1, routing.ids.shape[1], -1).reshape(-1, x.shape[1])
+                reference = _float32_experts(block, rows, routing).double()
+                rel = float((fused - reference).norm() / reference.norm())
+                replay, static = _graph(lambda: block(x))
+                replay()
+                torch.cuda.synchronize()
+                eager = block(x)
+                graph_equals_eager = bool(torch.equal(static, eager))
+                fused_ms = _median_ms(replay, args.iters)
+                grouped_replay, _ = _graph(lambda: _grouped_layer(block, x))
+                grouped_ms = _median_ms(grouped_replay, args.iters)
+            record = {
+                "fused_rel_err_vs_fp32": rel,
+                "graph_equals_eager": graph_equals_eager,
+                "correct": rel <= _REL_TOLERANCE and graph_equals_eager,
+                "layer_ms_fused_graph": fused_ms,
+                "layer_ms_grouped_mm_graph": grouped_ms,
+                "fused_over_floor": fused_ms / floor_ms,
+                "grouped_mm_over_floor": grouped_ms / floor_ms,
+            }
+            shape["tokens"][str(tokens)] = record
+            print(
+                f"{name} T={tokens}: rel err {rel:.2e}, graph==eager {graph_equals_eager}, fused {fused_ms * 1e3:.0f} us "
+                f"({fused_ms / floor_ms:.2f}x floor {floor_ms * 1e3:.0f} us), grouped_mm {grouped_ms * 1e3:.0f} us",
+                flush=True,
+            )
+            Path(args.out).write_text(json.dumps(results, indent=2))
+        del block
+        torch.cuda.empty_cache()
+    return results
+
+
+def _float32_experts(block: MoE, rows: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """Routed experts in float32 (the bfloat16 weights upcast) by a loop over experts:
+    `[T, H]` float32, the oracle of `routed_fused`."""
+    experts = block.experts
+    top_k = routing.ids.shape[1]
+    ids, weights = routing.ids.flatten(), routing.weights.flatten()
+    out = torch.zeros_like(rows)
+    inter = experts.intermediate_size
+    for expert in ids.unique().tolist():
+        sel = (ids == expert).nonzero().squeeze(1)
+        gate_up = rows[sel] @ experts.gate_up[expert].float().T  # [n, 2I]
+        hidden = experts.act_fn(gate_up[:, :inter]) * gate_up[:, inter:]
+        out[sel] = (hidden @ experts.down[expert].float().T) * weights[sel].unsqueeze(1)
+    return out.view(-1, top_k, rows.shape[1]).sum(dim=1)
+
+
+def _grouped_layer(block: MoE, x: torch.Tensor) -> torch.Tensor:
+    """The layer with torch grouped GEMMs for the routed experts (the earlier path)."""
+    routing = block.route(x)
+    out = block.routed_grouped(x, routing)
+    shared = block.shared(x)
+    if shared is not None:
+        out += shared
+    return out.to(x.dtype)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="JSON result file")
+    parser.add_argument("--tokens", nargs="+", type=int, default=[1, 16, 64, 128, 256])
+    parser.add_argument("--iters", type=int, default=50, help="timed graph replays (median)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU")
+    results = run(args)
+    ok = all(r["correct"] for name in moe_shapes() for r in results[name]["tokens"].values())
+    raise SystemExit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
