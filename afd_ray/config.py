@@ -98,6 +98,12 @@ class AttentionPoolConfig(_Section):
     """KV-cache space per rank in GiB (vLLM `kv_cache_memory_bytes`; on CPU a
     `VLLM_CPU_KVCACHE_SPACE` in the environment overrides it)."""
 
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    """GPU only: fraction of the GPU's memory that must be free when the attention
+    engine starts (vLLM's `gpu_memory_utilization`, checked at start-up; the KV cache
+    itself is sized by `kv_cache_gib`). When the FFN role shares the GPU (fractional
+    bundles), keep it below 1 minus the FFN's share (its weights and graph buffers)."""
+
     max_num_seqs: int = Field(16, ge=1)
     """Largest number of requests one engine step may batch."""
 

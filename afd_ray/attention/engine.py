@@ -51,6 +51,7 @@ def engine_args(
         enforce_eager=attention.enforce_eager,
         load_format=model.load_format,
         kv_cache_memory_bytes=int(attention.kv_cache_gib * GIB),
+        gpu_memory_utilization=attention.gpu_memory_utilization,
         hf_overrides={
             "architectures": [afd_architecture(checkpoint)],
             GATE_ON_ATTENTION: gate_placement == "gate_on_attention",

@@ -113,7 +113,7 @@ class NVLinkBench:
         # serving path makes it (the default group serves the bench's barriers).
         store = dist.PrefixStore("afd/pair/0/0", dist.distributed_c10d._get_default_store())
         group_name = "afd-pair-0-0"
-        registered_gloo_group(store, rank, 2, args.timeout_s, group_name)
+        self.pair_group = registered_gloo_group(store, rank, 2, args.timeout_s, group_name)  # registry holds it weakly
         side = AttentionNVLink if rank == 0 else FFNNVLink
 
         def link(slots: int) -> AttentionNVLink | FFNNVLink:
