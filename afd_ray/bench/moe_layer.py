@@ -13,7 +13,11 @@ FFN runtime does (gate, routed experts, shared experts), one CUDA graph per T.
    error; and the graph replay against the eager call, bit for bit.
 2. Timing: median of CUDA-event-timed graph replays of the whole layer, fused
    (product) and grouped GEMM (the earlier path), per T.
-3. Floor: the layer's weight bytes (gate, every routed expert, shared experts) over
+3. Tile sweep (`--sweep`): the routed experts alone (`routed_fused`) at T = 64, 128 and
+   256 under each of a few Triton tile configs (`SWEEP`, passed through vLLM's
+   `override_config`), each checked against the default config's output; vLLM ships
+   no tuned file for DeepSeek-V2-Lite's (E = 64, N = 1408) on the H200.
+4. Floor: the layer's weight bytes (gate, every routed expert, shared experts) over
    the HBM bandwidth measured in the same run (a device-to-device copy of 4 GiB,
    bytes read + written per second). At T >= 64 with top-6 every expert is hit, so
    every weight byte must be read once per layer call.
@@ -162,9 +166,59 @@ def run(args: argparse.Namespace) -> dict:
                 flush=True,
             )
             Path(args.out).write_text(json.dumps(results, indent=2))
+        if args.sweep:
+            shape["sweep_routed_ms"] = sweep(block, config.hidden_size, [64, 128, 256], args.iters, device)
+            Path(args.out).write_text(json.dumps(results, indent=2))
         del block
         torch.cuda.empty_cache()
     return results
+
+
+SWEEP: dict[str, dict[str, int]] = {
+    name: {"BLOCK_SIZE_M": m, "BLOCK_SIZE_N": n, "BLOCK_SIZE_K": k, "GROUP_SIZE_M": 1, "num_warps": w, "num_stages": st}
+    for name, (m, n, k, w, st) in {
+        "m16n64k128w4s4": (16, 64, 128, 4, 4),
+        "m16n128k128w4s3": (16, 128, 128, 4, 3),
+        "m16n128k128w8s3": (16, 128, 128, 8, 3),
+        "m32n64k128w4s4": (32, 64, 128, 4, 4),
+        "m32n128k128w4s3": (32, 128, 128, 4, 3),
+        "m32n128k64w4s4": (32, 128, 64, 4, 4),
+        "m64n64k64w4s3": (64, 64, 64, 4, 3),
+        "m64n128k64w8s3": (64, 128, 64, 8, 3),
+    }.items()
+}
+"""Triton tile configs of the sweep (after vLLM's tuned H200 files for nearby shapes)."""
+
+
+def sweep(block: MoE, hidden_size: int, tokens_list: list[int], iters: int, device: torch.device) -> dict:
+    """Routed experts' graph time per tile config and T, ms; `default` is vLLM's own choice."""
+    from vllm.model_executor.layers.fused_moe import override_config
+
+    out: dict = {}
+    generator = torch.Generator(device).manual_seed(1)
+    for tokens in tokens_list:
+        x = torch.randn(tokens, hidden_size, generator=generator, device=device).to(_DTYPE)
+        with torch.inference_mode():
+            routing = block.route(x)
+            reference = block.routed_fused(x, routing).double()
+            timings: dict = {}
+            for name, config in {"default": None, **SWEEP}.items():
+                try:
+                    with override_config(config):
+                        got = block.routed_fused(x, routing).double()
+                        replay, _ = _graph(lambda: block.routed_fused(x, routing))
+                        ms = _median_ms(replay, iters)
+                    rel = float((got - reference).norm() / reference.norm())
+                    timings[name] = {"ms": ms, "rel_vs_default": rel}
+                except Exception as exc:  # a config the kernel rejects (resources): recorded
+                    timings[name] = {"error": repr(exc)[:300]}
+            ok = {k: v for k, v in timings.items() if "ms" in v and v["rel_vs_default"] < 1e-2}
+            best = min(ok, key=lambda k: ok[k]["ms"])
+            out[str(tokens)] = {"configs": timings, "best": best, "best_ms": ok[best]["ms"],
+                                "default_ms": timings["default"].get("ms")}
+            print(f"  sweep T={tokens}: default {timings['default'].get('ms', float('nan')) * 1e3:.0f} us, "
+                  f"best {best} {ok[best]['ms'] * 1e3:.0f} us", flush=True)
+    return out
 
 
 def _float32_experts(block: MoE, rows: torch.Tensor, routing: Routing) -> torch.Tensor:
@@ -198,6 +252,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True, help="JSON result file")
     parser.add_argument("--tokens", nargs="+", type=int, default=[1, 16, 64, 128, 256])
     parser.add_argument("--iters", type=int, default=50, help="timed graph replays (median)")
+    parser.add_argument("--sweep", action="store_true", help="also time the routed experts per Triton tile config")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")

@@ -28,6 +28,7 @@ if command -v nvidia-cuda-mps-control >/dev/null; then
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
   mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
   nvidia-cuda-mps-control -d && echo "MPS daemon started"
+  part cuda_ipc_pair_mps 150 python3 -m afd_ray.bench.cuda_ipc --out "$out/cuda_ipc_pair_mps.json"
   part cuda_ipc_mps 150 python3 -m afd_ray.bench.decode_nvlink --one-gpu --tokens 1 16 128 \
     --iters 20 --timeout-s 120 --flag-timeout-ms 20000 --out "$out/cuda_ipc_mps.json"
   echo quit | nvidia-cuda-mps-control; sleep 1
@@ -35,6 +36,6 @@ if command -v nvidia-cuda-mps-control >/dev/null; then
 else
   echo "no nvidia-cuda-mps-control on this machine: MPS not measured"
 fi
-part moe_layer 200 python3 -m afd_ray.bench.moe_layer --out "$out/moe_layer.json"
+part moe_layer 200 python3 -m afd_ray.bench.moe_layer --sweep --out "$out/moe_layer.json"
 part gpu_tests 300 python3 -m pytest tests/gpu --confcutdir=tests/gpu -rs -q -s -p no:cacheprovider
 exit $failed
