@@ -14,6 +14,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from afd_ray.connector.link import TransportChoice, check_transport
+from afd_ray.platform import collective_backend
+
 __all__ = [
     "AFDConfig",
     "AttentionPoolConfig",
@@ -158,6 +161,11 @@ class ConnectorConfig(_Section):
     """Address FFN ranks bind their header socket and rendezvous store to; None means
     the Ray node's IP (needed when the pools span several nodes)."""
 
+    transport: TransportChoice = "auto"
+    """Data plane of each attention↔FFN pair (`afd_ray.connector.link`). `auto`:
+    `shm` when both run on one Ray node, else `gloo` (CPU); `nccl` (CUDA); `hccl`
+    (NPU). A fixed value must carry the platform's tensors (`shm`/`gloo` on CPU)."""
+
 
 class IngressConfig(_Section):
     """The OpenAI HTTP front (a Serve deployment that only forwards requests)."""
@@ -217,6 +225,8 @@ class AFDConfig(_Section):
                 raise ValueError(f"{name}.min_ranks: {pool.min_ranks} > {name}.num_ranks {pool.num_ranks}")
             if pool.upper < pool.num_ranks:
                 raise ValueError(f"{name}.max_ranks: {pool.max_ranks} < {name}.num_ranks {pool.num_ranks}")
+        if self.connector.transport != "auto":
+            check_transport(self.connector.transport, collective_backend(self.platform))
         if self.autoscale.enabled and self.autoscale.policy is None:
             raise ValueError("autoscale.policy: a policy file is needed when autoscale.enabled is true")
         return self

@@ -3,8 +3,11 @@
 The runtime, not the model, owns the connector. The AttentionServer puts its
 `AttentionAssignment` into the environment variable `AFD_RAY_ASSIGNMENT` before it
 starts the vLLM engine; the engine's worker process inherits it, and the first call of
-the `afd_ray::remote_ffn` op opens the pair channel from it. vLLM's own profile and
-warm-up forwards therefore already run through the FFN peer.
+the `afd_ray::remote_ffn` op (or `afd_connect`) opens the pair link from it. vLLM's
+own profile and warm-up forwards therefore already run through the FFN peer.
+
+The client uses only the connector contract (`afd_ray.connector.link.AttentionLink`);
+`AttentionChannel` opens the transport the assignment names.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import os
 import torch
 
 from afd_ray.connector.channel import AttentionChannel
+from afd_ray.connector.link import AttentionLink
 from afd_ray.control.membership import AttentionAssignment
 
 __all__ = ["ASSIGNMENT_ENV", "FFNClient", "ffn_client", "repeer_ffn_client", "reset_ffn_client"]
@@ -26,28 +30,40 @@ _client: FFNClient | None = None
 class FFNClient:
     """Sends each layer's hidden states to the FFN peer and returns its output.
 
-    A step header goes out before the first FFN layer of every forward pass; a new
-    pass is recognized when the layer index does not increase.
+    The model announces every forward pass with `begin_step` (the STEP header) before
+    its first FFN layer; `exchange` then runs one layer's A2F + F2A.
     """
 
     def __init__(self, assignment: AttentionAssignment) -> None:
         self.assignment = assignment
-        self.channel = AttentionChannel(
+        self.link: AttentionLink = AttentionChannel(
             assignment.address, assignment.peer, assignment.epoch,
-            assignment.backend, assignment.timeout_s,
+            assignment.transport, assignment.timeout_s,
         )
-        self._last_layer = -1
+        self._step_tokens = 0
+        """Rows T of the step announced last (0 before the first)."""
+
+    def begin_step(self, num_tokens: int) -> None:
+        """Send the STEP header of a forward pass of `num_tokens` rows."""
+        self.link.send_header(num_tokens)
+        self._step_tokens = num_tokens
 
     def exchange(
         self, hidden: torch.Tensor, layer: int, topk: tuple[torch.Tensor, torch.Tensor] | None = None
     ) -> torch.Tensor:
         """A2F + F2A of decoder layer `layer`: hidden `[T, H]` (plus, with
         `gate_on_attention`, its top-k ids `[T, k]` int64 and weights `[T, k]`
-        float32) -> FFN output `[T, H]`."""
-        if layer <= self._last_layer or self._last_layer < 0:
-            self.channel.send_header(hidden.shape[0])
-        self._last_layer = layer
-        return self.channel.exchange(hidden, topk)
+        float32) -> FFN output `[T, H]`.
+
+        Raises:
+            ValueError: T differs from the step announced by `begin_step`.
+            PeerLostError: the FFN peer is gone.
+        """
+        if hidden.shape[0] != self._step_tokens:
+            raise ValueError(
+                f"layer {layer}: {hidden.shape[0]} rows in a step announced with {self._step_tokens}"
+            )
+        return self.link.exchange(hidden, topk)
 
 
 def ffn_client() -> FFNClient:
@@ -75,7 +91,7 @@ def reset_ffn_client() -> None:
     """
     global _client
     if _client is not None:
-        _client.channel.close()
+        _client.link.close()
         _client = None
 
 

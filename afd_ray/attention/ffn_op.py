@@ -1,7 +1,10 @@
-"""`afd_ray::remote_ffn`: the one hook model code calls at the FFN boundary.
+"""The hooks model code calls: `begin_ffn_step` at the start of a forward pass, and
+`afd_ray::remote_ffn` / `afd_ray::remote_moe` at each FFN boundary.
 
-An opaque custom op, so torch.compile traces around it (its fake returns `empty_like`)
-and the A2F/F2A I/O never enters a Dynamo graph.
+The FFN ops are opaque custom ops, so torch.compile traces around them (their fake
+returns `empty_like`) and the A2F/F2A I/O never enters a Dynamo graph.
+`begin_ffn_step` is a plain call from the causal-LM `forward`, outside vLLM's
+compiled decoder stack, so it runs on every forward pass.
 """
 
 from __future__ import annotations
@@ -10,7 +13,13 @@ import torch
 
 from afd_ray.attention.ffn_client import ffn_client
 
-__all__ = ["remote_ffn", "remote_moe"]
+__all__ = ["begin_ffn_step", "remote_ffn", "remote_moe"]
+
+
+def begin_ffn_step(num_tokens: int) -> None:
+    """Announce a forward pass of `num_tokens` rows to the FFN peer (its STEP
+    header); call once per forward pass, before the first decoder layer."""
+    ffn_client().begin_step(num_tokens)
 
 
 @torch.library.custom_op("afd_ray::remote_ffn", mutates_args=())

@@ -24,6 +24,7 @@ import os
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from pathlib import Path
 
+import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 from vllm.engine.arg_utils import AsyncEngineArgs
@@ -119,7 +120,8 @@ class AttentionServer:
             TimeoutError: no FFN rank registered within `connector.timeout_s`.
         """
         replica = serve.get_replica_context().replica_id.unique_id
-        assignment = await coordinator.assign_attention.remote(connector.timeout_s, replica)
+        node = ray.get_runtime_context().get_node_id()
+        assignment = await coordinator.assign_attention.remote(connector.timeout_s, replica, node)
         self.rank = assignment.peer
         self._assignment = assignment
         self._coordinator = coordinator

@@ -1,32 +1,42 @@
 """The A2F/F2A connector: step headers on a control plane, tensors on a data plane.
 
+`AttentionChannel` and `FFNChannel` implement the contract of
+`afd_ray.connector.link` (`AttentionLink`, `FFNLink`) for every transport: the
+control plane below is shared, the data plane of each pair is the transport the
+attention side announces (`shm`, `gloo`, `nccl`, `hccl`).
+
 Control plane: every FFN rank binds one ZeroMQ PULL socket; each attention peer
 connects a PUSH socket to it and sends `StepHeader`s (JOIN, STEP, LEAVE). The FFN waits
 on it with a poll timeout, so an idle FFN rank never blocks in a collective and
 `close()` releases it at once.
 
-Data plane: each attention↔FFN pair owns a 2-rank stateless process group (FFN rank 0,
-attention rank 1) from `new_process_group`, rendezvoused through the FFN rank's
-`TCPStore`. It carries only `[T, H]` tensors, in the order fixed by the header: for
-each FFN layer, A2F then F2A.
+Data plane: each attention↔FFN pair rendezvouses through the FFN rank's `TCPStore`
+under the prefix `afd/pair/<peer>/<epoch>`, where the attention side first writes its
+transport. `shm` (same host): shared-memory slots and a Unix-socket wake-up
+(`afd_ray.connector.shm`). `gloo`/`nccl`/`hccl`: a 2-rank stateless process group
+(FFN rank 0, attention rank 1) from `new_process_group`. It carries only tensors, in
+the order fixed by the header: for each FFN layer, A2F then F2A.
 
 Protocol rules (why it cannot deadlock with one FFN peer per attention rank):
-1. An attention rank sends JOIN, then opens its pair group; the FFN opens its side when
-   it reads the JOIN, at a step boundary. Headers from one peer are read in order.
+1. An attention rank writes its transport to the store, sends JOIN, then opens its
+   data plane; the FFN opens its side when it reads the JOIN, at a step boundary.
+   Headers from one peer are read in order.
 2. An attention rank sends STEP(T) before the tensors of a step and waits for the F2A of
    the last layer before its next header, so at most one step per peer is in flight.
    Per FFN layer it sends `[T, H]`, then (with `gate_on_attention`) top-k ids and
    weights `[T, k]`, then receives `[T, H]`.
 3. The FFN posts data-plane receives only for peers whose STEP it has read, so every
    posted receive has a sender on the way; each one is bounded by `timeout_s`, and a
-   dead peer fails it at once ("connection closed by peer").
+   dead peer fails it at once (`PeerLostError`: gloo's "connection closed by peer",
+   or the shm socket's end of file).
 4. Every pair has the epoch of its assignment: the JOIN carries it, and later STEP and
    LEAVE headers of that peer must carry the same one. A header from an older epoch
    (a stale JOIN, or a STEP/LEAVE of a pairing the peer has since replaced) is
    dropped, never applied; so is one from a peer that has not joined.
 
 Release on `close()`: the FFN waits for headers with a poll timeout, so stopping the
-loop releases it within one poll. A data-plane receive already posted cannot be
+loop releases it within one poll. `shm` waits end at once on `close()` (the socket is
+shut down). A gloo data-plane receive already posted cannot be
 cancelled from the same process (gloo's `abort()`/`shutdown()` do not wake it, and a
 gloo wait that times out closes the pair); it ends when its data arrives, when the
 peer closes or dies (gloo reports "connection closed by peer" at once), or after
@@ -35,7 +45,7 @@ peer closes or dies (gloo reports "connection closed by peer" at once), or after
 CUDA (`nccl`): every data-plane call returns at once on the host; it is queued on the
 pair group's NCCL stream after the work already queued on the caller's current CUDA
 stream, and `Work.wait()` makes the caller's current stream wait for it (no host wait).
-The `isend_*`/`irecv_*` variants return that `Work` so that a caller can overlap it with
+The `isend_*`/`irecv_*` variants return it as a `Pending` so that a caller can overlap it with
 compute, and can be captured in a CUDA graph (after one eager call has created the NCCL
 communicator); headers stay on the ZeroMQ socket, outside any graph. A pair may open
 `ubatch_groups` > 1 process groups, one per micro-batch (`afd_ray.connector.ubatch`):
@@ -47,15 +57,19 @@ before a send of the same group deadlocks on NCCL: send A2F first, then receive 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 import zmq
 
 from afd_ray.connector.header import HeaderKind, StepHeader
+from afd_ray.connector.link import PeerLostError, Pending, Transport, check_transport, contiguous
 from afd_ray.connector.process_group import new_process_group
+from afd_ray.connector.shm import ShmPair, open_shm_pair
 
 __all__ = ["AttentionChannel", "FFNAddress", "FFNChannel"]
 
@@ -63,10 +77,13 @@ logger = logging.getLogger(__name__)
 
 _LEAVE_LINGER_MS = 1000
 """How long closing an attention channel waits for its LEAVE to leave the socket."""
-_A2F_TAG = 1
-_F2A_TAG = 2
-_TOPK_IDS_TAG = 3
-_TOPK_WEIGHTS_TAG = 4
+_A2F_TAGS = (1, 3, 4)
+"""Process-group tags of the A2F tensors: hidden states, top-k ids, top-k weights."""
+_F2A_TAGS = (2,)
+_TRANSPORT_KEY = "transport"
+"""Pair-store key under which the attention side announces its transport."""
+
+Side = Literal["attention", "ffn"]
 
 
 @dataclass(frozen=True)
@@ -78,39 +95,105 @@ class FFNAddress:
     """Port of the FFN rank's `TCPStore` (pair-group rendezvous)."""
     control_port: int
     """Port of the FFN rank's header socket."""
+    node: str = ""
+    """Ray node id of the FFN rank ("" outside Ray); `auto` picks a same-node
+    transport for attention peers on the same node."""
 
 
-def _pair_prefix(peer: int, epoch: int) -> str:
-    return f"afd/pair/{peer}/{epoch}"
+def _pair_store(store: dist.Store, peer: int, epoch: int) -> dist.Store:
+    return dist.PrefixStore(f"afd/pair/{peer}/{epoch}", store)
 
 
-def _ubatch_groups(
-    backend: str, store: dist.Store, prefix: str, rank: int, timeout_s: float, count: int
-) -> list[dist.ProcessGroup]:
-    """The pair groups of micro-batches 1..count-1 (group 0 is the pair group itself)."""
-    if count < 1:
-        raise ValueError(f"ubatch_groups must be >= 1, got {count}")
-    return [
-        new_process_group(backend, dist.PrefixStore(f"{prefix}/ubatch{u}", store), rank, 2, timeout_s)
-        for u in range(1, count)
-    ]
+class _Works:
+    """`Pending` over process-group `Work`s; failures become `PeerLostError`."""
+
+    def __init__(self, works: list[dist.Work], peer: int) -> None:
+        self._works, self._peer = works, peer
+
+    def wait(self) -> None:
+        try:
+            for work in self._works:
+                work.wait()
+        except RuntimeError as exc:
+            raise PeerLostError(self._peer, str(exc)) from exc
+
+
+class _GroupPair:
+    """A pair's data plane over process groups (gloo/nccl/hccl), one per ubatch."""
+
+    def __init__(self, side: Side, groups: list[dist.ProcessGroup], peer: int, backend: str) -> None:
+        self._groups, self._peer, self._backend = groups, peer, backend
+        self._other = 0 if side == "attention" else 1
+        self._send_tags, self._recv_tags = (_A2F_TAGS, _F2A_TAGS) if side == "attention" else (_F2A_TAGS, _A2F_TAGS)
+
+    def send(self, tensors: Sequence[torch.Tensor], ubatch: int) -> _Works:
+        contiguous(tensors)
+        group = self._groups[ubatch]
+        return _Works([group.send([t], self._other, tag) for t, tag in zip(tensors, self._send_tags)], self._peer)
+
+    def recv(self, outs: Sequence[torch.Tensor], ubatch: int) -> _Works:
+        contiguous(outs)
+        group = self._groups[ubatch]
+        return _Works([group.recv([t], self._other, tag) for t, tag in zip(outs, self._recv_tags)], self._peer)
+
+    def exchange(self, sends: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], ubatch: int) -> None:
+        """Sends then the answer. With gloo the receive is posted first, so the FFN
+        never waits on us; with NCCL it is queued after the sends (one stream)."""
+        if self._backend == "gloo":
+            recv = self.recv(outs, ubatch)
+            self.send(sends, ubatch).wait()
+            recv.wait()
+            return
+        self.send(sends, ubatch).wait()
+        self.recv(outs, ubatch).wait()
+
+    def close(self) -> None:
+        for group in self._groups:
+            group.shutdown()
+
+
+def _open_pair(
+    transport: str, store: dist.Store, side: Side, peer: int, timeout_s: float, ubatches: int
+) -> ShmPair | _GroupPair:
+    """One side of a pair's data plane; blocks until the other side opened its own.
+
+    Raises:
+        PeerLostError: the rendezvous failed or timed out.
+        ValueError: unknown or unimplemented transport, or `ubatches` < 1.
+    """
+    if ubatches < 1:
+        raise ValueError(f"ubatch_groups must be >= 1, got {ubatches}")
+    if transport == "shm":
+        return open_shm_pair(side, store, peer, ubatches, timeout_s)
+    if transport not in ("gloo", "nccl", "hccl"):
+        raise ValueError(f"connector.transport: {transport!r} is not implemented")
+    rank = 1 if side == "attention" else 0
+    try:
+        groups = [
+            new_process_group(transport, dist.PrefixStore(f"ubatch{u}", store), rank, 2, timeout_s)
+            for u in range(ubatches)
+        ]
+    except RuntimeError as exc:  # DistStoreError included
+        raise PeerLostError(peer, f"{transport} rendezvous failed ({exc})") from exc
+    return _GroupPair(side, groups, peer, transport)
 
 
 class AttentionChannel:
-    """Attention side of one attention↔FFN pair.
+    """Attention side of one attention↔FFN pair (implements `AttentionLink`).
 
     Args:
         address: the FFN peer.
         peer: this attention rank's id.
         epoch: membership epoch of the assignment.
-        backend: `gloo` | `nccl` | `hccl`.
+        transport: the pair's data plane: `shm` | `gloo` | `nccl` | `hccl`.
         timeout_s: bound on rendezvous and on every receive, seconds.
-        ubatch_groups: pair process groups, one per micro-batch (DBO); the FFN side
+        ubatch_groups: data planes per pair, one per micro-batch (DBO); the FFN side
             must open as many.
 
     Raises:
-        RuntimeError / DistStoreError: the FFN did not open the pair within `timeout_s`.
-        ValueError: `ubatch_groups` < 1.
+        PeerLostError: the FFN did not open the pair within `timeout_s`.
+        RuntimeError / DistStoreError: the FFN's store is unreachable.
+        ValueError: `ubatch_groups` < 1, or an unknown transport.
     """
 
     def __init__(
@@ -118,57 +201,50 @@ class AttentionChannel:
         address: FFNAddress,
         peer: int,
         epoch: int,
-        backend: str,
+        transport: Transport,
         timeout_s: float,
         ubatch_groups: int = 1,
     ) -> None:
+        if ubatch_groups < 1:
+            raise ValueError(f"ubatch_groups must be >= 1, got {ubatch_groups}")
         self.peer = peer
         self.epoch = epoch
+        self.transport = transport
         self._step_id = 0
+        self._store = dist.TCPStore(
+            address.host, address.store_port, is_master=False,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        pair = _pair_store(self._store, peer, epoch)
+        pair.set(_TRANSPORT_KEY, transport)
         self._zmq = zmq.Context()
         self._push = self._zmq.socket(zmq.PUSH)
         self._push.setsockopt(zmq.LINGER, 0)
         self._push.connect(f"tcp://{address.host}:{address.control_port}")
         self._push.send(StepHeader(HeaderKind.JOIN, peer, epoch).pack())
-        store = dist.TCPStore(
-            address.host, address.store_port, is_master=False,
-            timeout=timedelta(seconds=timeout_s),
-        )
-        self._pg = new_process_group(
-            backend, dist.PrefixStore(_pair_prefix(peer, epoch), store), 1, 2, timeout_s
-        )
-        self._store = store
-        self._backend = backend
-        self._ubatch_pgs = [self._pg] + _ubatch_groups(
-            backend, store, _pair_prefix(peer, epoch), 1, timeout_s, ubatch_groups
-        )
+        self._data = _open_pair(transport, pair, "attention", peer, timeout_s, ubatch_groups)
+        self._closed = False
 
-    def send_header(self, num_tokens: int) -> StepHeader:
-        """Announce a step of `num_tokens` rows; call before its first `send_a2f`."""
+    def send_header(self, num_tokens: int, first_layer: int = 0) -> StepHeader:
+        """Announce a step of `num_tokens` rows whose FFN layers from `first_layer` on
+        follow; call before its first A2F."""
         self._step_id += 1
-        header = StepHeader(HeaderKind.STEP, self.peer, self.epoch, self._step_id, num_tokens)
+        header = StepHeader(HeaderKind.STEP, self.peer, self.epoch, self._step_id, num_tokens, first_layer)
         self._push.send(header.pack())
         return header
 
-    def send_a2f(self, hidden: torch.Tensor) -> None:
-        """Send `hidden` `[T, H]` (model dtype, contiguous) to the FFN peer."""
-        self._pg.send([hidden], 0, _A2F_TAG).wait()
+    def isend_a2f(
+        self, hidden: torch.Tensor, ubatch: int = 0, topk: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> Pending:
+        """Queue `hidden` `[T_u, H]` (model dtype, contiguous), with `gate_on_attention`
+        its top-k ids and weights `[T_u, k]`, to the FFN peer on ubatch `ubatch`; the
+        tensors must stay unchanged until the `Pending` is waited on."""
+        return self._data.send([hidden, *(topk or ())], ubatch)
 
-    def recv_f2a(self, out: torch.Tensor) -> torch.Tensor:
-        """Receive the FFN output `[T, H]` into `out` and return it."""
-        self._pg.recv([out], 0, _F2A_TAG).wait()
-        return out
-
-    def isend_a2f(self, hidden: torch.Tensor, ubatch: int = 0) -> dist.Work:
-        """Queue `hidden` `[T, H]` (model dtype, contiguous) to the FFN peer on the pair
-        group of micro-batch `ubatch`; `hidden` must stay unchanged until the `Work`
-        is waited on."""
-        return self._ubatch_pgs[ubatch].send([hidden], 0, _A2F_TAG)
-
-    def irecv_f2a(self, out: torch.Tensor, ubatch: int = 0) -> dist.Work:
-        """Queue the receive of the FFN output `[T, H]` of micro-batch `ubatch` into
-        `out` (a preallocated buffer, e.g. from `afd_ray.connector.buffers`)."""
-        return self._ubatch_pgs[ubatch].recv([out], 0, _F2A_TAG)
+    def irecv_f2a(self, out: torch.Tensor, ubatch: int = 0) -> Pending:
+        """Queue the receive of the FFN output `[T_u, H]` of ubatch `ubatch` into `out`
+        (a preallocated buffer, e.g. from `afd_ray.connector.buffers`)."""
+        return self._data.recv([out], ubatch)
 
     def exchange(
         self,
@@ -184,61 +260,54 @@ class AttentionChannel:
                 int64 and weights `[T, k]` float32, sent after it.
             out: preallocated `[T, H]` receive buffer; None allocates one.
 
-        With gloo the F2A receive is posted before the A2F sends, so the FFN never
-        waits on us; with NCCL it is queued after them (same stream, see above).
+        Raises:
+            PeerLostError: the FFN peer is gone.
         """
         out = torch.empty_like(hidden) if out is None else out
-        if self._backend != "gloo":
-            self._pg.send([hidden.contiguous()], 0, _A2F_TAG).wait()
-            if topk is not None:
-                for tensor, tag in zip(topk, (_TOPK_IDS_TAG, _TOPK_WEIGHTS_TAG), strict=True):
-                    self._pg.send([tensor.contiguous()], 0, tag).wait()
-            self._pg.recv([out], 0, _F2A_TAG).wait()
-            return out
-        recv = self._pg.recv([out], 0, _F2A_TAG)
-        self._pg.send([hidden.contiguous()], 0, _A2F_TAG).wait()
-        if topk is not None:
-            ids, weights = topk
-            self._pg.send([ids.contiguous()], 0, _TOPK_IDS_TAG).wait()
-            self._pg.send([weights.contiguous()], 0, _TOPK_WEIGHTS_TAG).wait()
-        recv.wait()
+        sends = [hidden.contiguous()] + ([t.contiguous() for t in topk] if topk is not None else [])
+        self._data.exchange(sends, [out], 0)
         return out
 
     def close(self) -> None:
-        """Tell the FFN peer we leave, then release sockets and the pair group."""
+        """Tell the FFN peer we leave, then release sockets and the data plane."""
+        if self._closed:
+            return
+        self._closed = True
         try:
             self._push.send(StepHeader(HeaderKind.LEAVE, self.peer, self.epoch).pack(), zmq.NOBLOCK)
         except zmq.ZMQError:
             logger.warning("attention rank %d: LEAVE not sent, FFN peer unreachable", self.peer)
         self._push.close(linger=_LEAVE_LINGER_MS)
         self._zmq.term()
-        for pg in self._ubatch_pgs:
-            pg.shutdown()
+        self._data.close()
 
 
 class FFNChannel:
-    """FFN side: the header socket, the rendezvous store, one pair group per peer.
+    """FFN side: the header socket, the rendezvous store, one data plane per peer
+    (implements `FFNLink`).
 
     Args:
         host: loopback or node IP to bind on; ports come from the OS.
-        backend: `gloo` | `nccl` | `hccl`.
+        backend: the platform's collective backend (`gloo` | `nccl` | `hccl`); a peer
+            may announce it or its same-host transport (`shm` for gloo).
         timeout_s: bound on pair rendezvous and on every data-plane receive, seconds.
         epoch: membership epoch this rank serves.
-        ubatch_groups: pair process groups per peer, one per micro-batch (DBO); each
+        ubatch_groups: data planes per peer, one per micro-batch (DBO); each
             attention peer must open as many.
+        node: this rank's Ray node id, published in `address`.
 
     Raises:
         ValueError: `ubatch_groups` < 1.
     """
 
     def __init__(
-        self, host: str, backend: str, timeout_s: float, epoch: int = 0, ubatch_groups: int = 1
+        self, host: str, backend: str, timeout_s: float, epoch: int = 0, ubatch_groups: int = 1,
+        node: str = "",
     ) -> None:
         if ubatch_groups < 1:
             raise ValueError(f"ubatch_groups must be >= 1, got {ubatch_groups}")
         self.epoch = epoch
         self._ubatch_groups = ubatch_groups
-        self._ubatch_pairs: dict[int, list[dist.ProcessGroup]] = {}
         self._backend = backend
         self._timeout_s = timeout_s
         self._store = dist.TCPStore(
@@ -249,8 +318,9 @@ class FFNChannel:
         self._pull = self._zmq.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         control_port = self._pull.bind_to_random_port(f"tcp://{host}")
-        self.address = FFNAddress(host, self._store.port, control_port)
-        self._pairs: dict[int, dist.ProcessGroup] = {}
+        self.address = FFNAddress(host, self._store.port, control_port, node)
+        self._pairs: dict[int, ShmPair | _GroupPair] = {}
+        self._transports: dict[int, Transport] = {}
         self._peer_epochs: dict[int, int] = {}
         """Epoch of each peer's latest JOIN read (rule 4)."""
 
@@ -278,58 +348,75 @@ class FFNChannel:
         return None
 
     def admit(self, peer: int) -> None:
-        """Open the pair group with attention rank `peer` under the epoch of its JOIN
-        (blocks until it joins).
+        """Open the data plane with attention rank `peer` under the epoch of its JOIN,
+        with the transport it announced (blocks until it joins).
 
         Raises:
-            RuntimeError / DistStoreError: the peer did not rendezvous within the timeout.
+            PeerLostError: the peer did not rendezvous within the timeout.
+            ValueError: it announced a transport this rank's backend cannot serve.
         """
         self.remove(peer)  # a re-JOIN replaces the peer's older pairing
-        epoch = self._peer_epochs[peer]
-        prefix = dist.PrefixStore(_pair_prefix(peer, epoch), self._store)
-        self._pairs[peer] = new_process_group(self._backend, prefix, 0, 2, self._timeout_s)
-        self._ubatch_pairs[peer] = _ubatch_groups(
-            self._backend, self._store, _pair_prefix(peer, epoch), 0, self._timeout_s, self._ubatch_groups
-        )
+        pair = _pair_store(self._store, peer, self._peer_epochs[peer])
+        try:
+            transport = pair.get(_TRANSPORT_KEY).decode()
+        except RuntimeError as exc:
+            raise PeerLostError(peer, f"no transport announced ({exc})") from exc
+        check_transport(transport, self._backend)
+        self._pairs[peer] = _open_pair(transport, pair, "ffn", peer, self._timeout_s, self._ubatch_groups)
+        self._transports[peer] = transport  # type: ignore[assignment]
+
+    def transport_of(self, peer: int) -> Transport:
+        """The data plane of `peer`'s open pair.
+
+        Raises:
+            KeyError: no open pair with `peer`.
+        """
+        return self._transports[peer]
 
     def remove(self, peer: int) -> None:
-        """Close the pair group of `peer` (after its LEAVE, or on its failure)."""
+        """Close the pair of `peer` (after its LEAVE, or on its failure)."""
         pair = self._pairs.pop(peer, None)
+        self._transports.pop(peer, None)
         if pair is not None:
-            pair.shutdown()
-        for group in self._ubatch_pairs.pop(peer, []):
-            group.shutdown()
+            pair.close()
 
-    def recv_a2f(self, peer: int, out: torch.Tensor) -> torch.Tensor:
-        """Receive `[T, H]` from `peer` into `out` and return it."""
-        self._pairs[peer].recv([out], 1, _A2F_TAG).wait()
+    def recv_a2f(
+        self,
+        peer: int,
+        out: torch.Tensor,
+        topk: tuple[torch.Tensor, torch.Tensor] | None = None,
+        ubatch: int = 0,
+    ) -> torch.Tensor:
+        """Receive `[T, H]` from `peer` into `out` and return it; with
+        `gate_on_attention` also its routing, ids `[T, k]` int64 and weights
+        `[T, k]` float32, into `topk`.
+
+        Raises:
+            PeerLostError: the peer is gone.
+        """
+        self._pairs[peer].recv([out, *(topk or ())], ubatch).wait()
         return out
 
-    def _group(self, peer: int, ubatch: int) -> dist.ProcessGroup:
-        return self._pairs[peer] if ubatch == 0 else self._ubatch_pairs[peer][ubatch - 1]
-
-    def irecv_a2f(self, peer: int, out: torch.Tensor, ubatch: int = 0) -> dist.Work:
+    def irecv_a2f(self, peer: int, out: torch.Tensor, ubatch: int = 0) -> Pending:
         """Queue the receive of micro-batch `ubatch`'s `[T, H]` from `peer` into `out`
-        (a preallocated buffer); wait on the `Work` before reading `out`."""
-        return self._group(peer, ubatch).recv([out], 1, _A2F_TAG)
+        (a preallocated buffer); wait on the `Pending` before reading `out`."""
+        return self._pairs[peer].recv([out], ubatch)
 
-    def isend_f2a(self, peer: int, out: torch.Tensor, ubatch: int = 0) -> dist.Work:
+    def isend_f2a(self, peer: int, out: torch.Tensor, ubatch: int = 0) -> Pending:
         """Queue the FFN output `[T, H]` (contiguous) of micro-batch `ubatch` back to
-        `peer`; `out` must stay unchanged until the `Work` is waited on."""
-        return self._group(peer, ubatch).send([out], 1, _F2A_TAG)
+        `peer`; `out` must stay unchanged until the `Pending` is waited on."""
+        return self._pairs[peer].send([out], ubatch)
 
-    def recv_topk(self, peer: int, ids: torch.Tensor, weights: torch.Tensor) -> None:
-        """With `gate_on_attention`: receive the routing of the rows of the last
-        `recv_a2f` from `peer`, ids `[T, k]` int64 and weights `[T, k]` float32."""
-        self._pairs[peer].recv([ids], 1, _TOPK_IDS_TAG).wait()
-        self._pairs[peer].recv([weights], 1, _TOPK_WEIGHTS_TAG).wait()
+    def send_f2a(self, peer: int, out: torch.Tensor, ubatch: int = 0) -> None:
+        """Send the FFN output `[T, H]` back to `peer`.
 
-    def send_f2a(self, peer: int, out: torch.Tensor) -> None:
-        """Send the FFN output `[T, H]` back to `peer`."""
-        self._pairs[peer].send([out.contiguous()], 1, _F2A_TAG).wait()
+        Raises:
+            PeerLostError: the peer is gone.
+        """
+        self._pairs[peer].send([out.contiguous()], ubatch).wait()
 
     def close(self) -> None:
-        """Close every pair group and the header socket."""
+        """Close every pair and the header socket."""
         for peer in self.peers:
             self.remove(peer)
         self._pull.close()

@@ -12,7 +12,7 @@ from enum import IntEnum
 
 __all__ = ["HeaderKind", "StepHeader"]
 
-_WIRE = struct.Struct("<5q")
+_WIRE = struct.Struct("<4q2i")
 
 
 class HeaderKind(IntEnum):
@@ -37,6 +37,8 @@ class StepHeader:
             epoch differs from its own, it never applies it.
         step_id: per-peer step counter, +1 per STEP (0 for JOIN/LEAVE).
         num_tokens: rows T of every A2F/F2A tensor `[T, H]` of this step.
+        first_layer: the step's first FFN layer; the layers from it to the last
+            follow (not 0 only when a step is resumed on a new FFN peer).
     """
 
     kind: HeaderKind
@@ -44,10 +46,11 @@ class StepHeader:
     epoch: int
     step_id: int = 0
     num_tokens: int = 0
+    first_layer: int = 0
 
     def pack(self) -> bytes:
-        """Serialize to 40 little-endian bytes."""
-        return _WIRE.pack(self.kind, self.peer, self.epoch, self.step_id, self.num_tokens)
+        """Serialize to 40 little-endian bytes (four int64, then two int32)."""
+        return _WIRE.pack(self.kind, self.peer, self.epoch, self.step_id, self.num_tokens, self.first_layer)
 
     @classmethod
     def unpack(cls, buf: bytes) -> StepHeader:
@@ -58,5 +61,5 @@ class StepHeader:
         """
         if len(buf) != _WIRE.size:
             raise ValueError(f"step header must be {_WIRE.size} bytes, got {len(buf)}")
-        kind, peer, epoch, step_id, num_tokens = _WIRE.unpack(buf)
-        return cls(HeaderKind(kind), peer, epoch, step_id, num_tokens)
+        kind, peer, epoch, step_id, num_tokens, first_layer = _WIRE.unpack(buf)
+        return cls(HeaderKind(kind), peer, epoch, step_id, num_tokens, first_layer)

@@ -10,7 +10,7 @@ sides derive the split from the header's `num_tokens` and the configured `n`). W
 so the attention of ubatch 1 runs while the FFN works on ubatch 0, and the attention
 of ubatch 0 of the next layer while the FFN works on ubatch 1 (MegaScale-Infer's
 ping-pong, arXiv:2504.02263 §4). Each ubatch has its own pair process group
-(`ubatch_groups` of `afd_ray.connector.channel`), so on CUDA its transfers run on
+(`ubatch_groups` of `afd_ray.connector.channel`; one slot pair per ubatch with `shm`), so on CUDA its transfers run on
 their own NCCL stream. `n = 1` is the same schedule without overlap: that is the
 switch to measure DBO on against off. The FFN side serves the ubatches in the same
 order: receive, compute, send back.
@@ -25,9 +25,8 @@ import itertools
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 
-from afd_ray.connector.channel import AttentionChannel, FFNChannel
+from afd_ray.connector.link import AttentionLink, FFNLink, Pending
 
 __all__ = ["attention_layers", "ffn_layers", "ubatch_slices"]
 
@@ -61,7 +60,7 @@ def attention_layers(
     attend: Attend,
     finish: Finish,
     recv: list[torch.Tensor],
-    channel: AttentionChannel | None = None,
+    channel: AttentionLink | None = None,
     ffn: FFNLayer | None = None,
 ) -> None:
     """Run every layer of one step over `len(recv)` ubatches, in the DBO order above.
@@ -80,7 +79,7 @@ def attention_layers(
     """
     if (channel is None) == (ffn is None):
         raise ValueError("attention_layers needs exactly one of channel (AFD) and ffn (colocated)")
-    pending: list[tuple[int, torch.Tensor, list[dist.Work]] | None] = [None] * len(recv)
+    pending: list[tuple[int, torch.Tensor, list[Pending]] | None] = [None] * len(recv)
 
     def complete(u: int) -> None:
         layer, out, works = pending[u]
@@ -107,7 +106,7 @@ def ffn_layers(
     num_layers: int,
     ffn: FFNLayer,
     recv: list[torch.Tensor],
-    channel: FFNChannel,
+    channel: FFNLink,
     peer: int,
 ) -> None:
     """Serve every layer of one step of `peer` over `len(recv)` ubatches: per layer and
@@ -118,7 +117,7 @@ def ffn_layers(
     waited on only when that ubatch needs its next input (their tensors are kept alive
     until then), so the FFN computes the other ubatch while a result is on the wire.
     """
-    pending: list[list[dist.Work]] = [[channel.irecv_a2f(peer, buffer, u)] for u, buffer in enumerate(recv)]
+    pending: list[list[Pending]] = [[channel.irecv_a2f(peer, buffer, u)] for u, buffer in enumerate(recv)]
     alive: list[torch.Tensor] = []
     for layer in range(num_layers):
         last = layer == num_layers - 1

@@ -63,7 +63,7 @@ class Coordinator:
 
     Args:
         platform: picks the collective backend of pair and EP groups.
-        connector: rendezvous and receive timeouts.
+        connector: rendezvous and receive timeouts, the pair transport.
         attention, ffn: pool sizes at start and resize bounds.
         autoscale: drain and resize timeouts, whether the autoscaler runs.
         policy: the autoscaling policy (`autoscale.policy`, loaded by the app builder).
@@ -79,7 +79,9 @@ class Coordinator:
         policy: AutoscalePolicy | None = None,
     ) -> None:
         app = serve.get_replica_context().app_name
-        self._registry = Registry(collective_backend(platform), connector.timeout_s, ffn.num_ranks)
+        self._registry = Registry(
+            collective_backend(platform), connector.timeout_s, ffn.num_ranks, connector.transport
+        )
         self._resizer = Resizer(self._registry, app, attention, ffn, autoscale)
         self._signals = SignalAggregator()
         self._paused = False
@@ -160,16 +162,16 @@ class Coordinator:
 
     # --- attention pool --------------------------------------------------------
 
-    async def assign_attention(self, wait_s: float, replica: str = "") -> AttentionAssignment:
+    async def assign_attention(self, wait_s: float, replica: str = "", node: str = "") -> AttentionAssignment:
         """A new attention rank id (STARTING) and its FFN peer, once the FFN layout
-        serves; `replica` is its Serve replica id.
+        serves; `replica` is its Serve replica id, `node` its Ray node id.
 
         Raises:
             TimeoutError: the FFN pool was not complete within `wait_s` seconds.
         """
         registry = self._registry
         await registry.wait(lambda: bool(registry.layout), wait_s)
-        member = registry.add_attention(replica)
+        member = registry.add_attention(replica, node)
         await registry.notify()
         return registry.attention_assignment(member.rank)
 

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict
 
 from afd_ray.autoscale.policy import MetricsSnapshot
 from afd_ray.connector.channel import FFNAddress
+from afd_ray.connector.link import Transport
 
 __all__ = [
     "AFDStatus",
@@ -67,8 +68,8 @@ class AttentionAssignment(_Record):
     store_port: int
     control_port: int
     epoch: int
-    backend: str
-    """Collective backend of the pair group: gloo | nccl | hccl."""
+    transport: Transport
+    """Data plane of the pair (`afd_ray.connector.link.select_transport`)."""
     timeout_s: float
     """Bound on rendezvous and on every receive, seconds."""
 
@@ -163,6 +164,8 @@ class AttentionMember(_Record):
     """Epoch of its current pairing with `ffn_peer`."""
     replica: str = ""
     """Serve replica id of the `AttentionServer` that holds this rank."""
+    node: str = ""
+    """Ray node id of its replica (picks the pair's transport with `auto`)."""
     peered_epoch: int = -1
     """Epoch of the pairing the rank reported open (`epoch` once it moved)."""
 

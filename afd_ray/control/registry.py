@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from afd_ray.connector.channel import FFNAddress
+from afd_ray.connector.link import TransportChoice, select_transport
 from afd_ray.control.membership import (
     AttentionAssignment,
     AttentionMember,
@@ -49,10 +50,15 @@ class Registry:
         backend: collective backend of pair and EP groups (gloo | nccl | hccl).
         timeout_s: rendezvous and receive bound handed to members, seconds.
         first_layout_size: FFN ranks that form the first layout (epoch 0).
+        transport: `ConnectorConfig.transport`, resolved per pair from the nodes of
+            its two members (`select_transport`).
     """
 
-    def __init__(self, backend: str, timeout_s: float, first_layout_size: int) -> None:
+    def __init__(
+        self, backend: str, timeout_s: float, first_layout_size: int, transport: TransportChoice = "auto"
+    ) -> None:
         self.backend = backend
+        self.transport = transport
         self.timeout_s = timeout_s
         self._first_layout_size = first_layout_size
         self.epoch = 0
@@ -86,12 +92,13 @@ class Registry:
     def update_ffn(self, rank: int, **update: object) -> None:
         self.ffn[rank] = self.ffn[rank].model_copy(update=update)
 
-    def add_attention(self, replica: str) -> AttentionMember:
-        """A new attention rank (STARTING) peered with the least loaded FFN rank of
-        the layout, under the current epoch. Requires a layout."""
+    def add_attention(self, replica: str, node: str = "") -> AttentionMember:
+        """A new attention rank (STARTING) of Serve replica `replica` on Ray node
+        `node`, peered with the least loaded FFN rank of the layout, under the
+        current epoch. Requires a layout."""
         member = AttentionMember(
             rank=self._next_attention, ffn_peer=least_loaded(peer_load(self.attention, self.layout)),
-            epoch=self.epoch, replica=replica,
+            epoch=self.epoch, replica=replica, node=node,
         )  # fmt: skip
         self._next_attention += 1
         self.attention[member.rank] = member
@@ -129,13 +136,15 @@ class Registry:
         )  # fmt: skip
 
     def attention_assignment(self, rank: int) -> AttentionAssignment:
-        """Attention rank `rank`'s current FFN peer and pairing epoch."""
+        """Attention rank `rank`'s current FFN peer, pairing epoch and the pair's
+        transport (`auto`: a same-node one when both run on one Ray node)."""
         member = self.attention[rank]
         address = self.ffn[member.ffn_peer].address
+        same_node = bool(member.node) and member.node == address.node
         return AttentionAssignment(
             peer=member.rank, ffn_rank=member.ffn_peer, host=address.host, store_port=address.store_port,
-            control_port=address.control_port, epoch=member.epoch, backend=self.backend,
-            timeout_s=self.timeout_s,
+            control_port=address.control_port, epoch=member.epoch,
+            transport=select_transport(self.transport, self.backend, same_node), timeout_s=self.timeout_s,
         )  # fmt: skip
 
     def ffn_directive(self, rank: int, epoch: int) -> FFNDirective:

@@ -1,10 +1,14 @@
 """The FFN runtime: a loop driven by the connector, with no scheduler and no KV cache.
 
+The runtime talks to its peers only through the connector contract (`FFNLink`,
+`afd_ray.connector.link`), whatever the transport of each pair.
+
 Each iteration: read one step header; JOIN/LEAVE change the peer set at this step
 boundary; STEP headers form one step for every peer taking part, which runs every
-FFN layer in order: receive `[T_i, H]` from each peer (A2F), compute on all rows at
-once, send each peer its `[T_i, H]` back (F2A). The loop owns nothing across steps except the weights and
-the counters in `afd_ray.observability.stats.FFNStats`, so a lost FFN rank loses no request data.
+FFN layer in order (from the headers' `first_layer`): receive `[T_i, H]` from each
+peer (A2F), compute on all rows at once, send each peer its `[T_i, H]` back (F2A).
+The loop owns nothing across steps except the weights and the counters in
+`afd_ray.observability.stats.FFNStats`, so a lost FFN rank loses no request data.
 
 A new FFN layout (a resize of the FFN pool) is prepared outside the loop (new expert
 shard loaded, new EP group opened) and handed over with `prepare_switch`; the loop
@@ -22,8 +26,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from afd_ray.connector.channel import FFNChannel
 from afd_ray.connector.header import HeaderKind, StepHeader
+from afd_ray.connector.link import FFNLink
 from afd_ray.ffn.ep import EPGroup
 from afd_ray.ffn.graphs import DEFAULT_BUCKETS, FFNGraphs, graphs_supported
 from afd_ray.ffn.model import FFNStack
@@ -50,7 +54,7 @@ class LayoutSwitch:
 
 
 class FFNRuntime:
-    """Serves the FFN half of every layer to the attention peers of one channel.
+    """Serves the FFN half of every layer to the attention peers of one `FFNLink`.
 
     Step forming (M:N fan-in): after the first STEP header, the runtime keeps reading
     headers for up to `batch_window_s` or until every admitted peer has announced a
@@ -58,7 +62,11 @@ class FFNRuntime:
     `[T_i, H]`, computes on the concatenation `[ΣT_i, H]`, and sends each peer its
     rows back, in peer order. A slow or idle peer delays the others by at most the
     window; it joins the next step. JOIN/LEAVE read while forming a step are applied
-    after it, at the step boundary. No peer ever has two steps in flight (rule 2 of
+    after it, at the step boundary. The STEP headers of one step share their
+    `first_layer`; a header with another one (a step resumed on this rank after
+    its peer lost its FFN rank) starts the next step instead. With EP every rank
+    must run the same layers, so resumed steps need the whole EP group to agree
+    on them (not handled here). No peer ever has two steps in flight (rule 2 of
     `afd_ray.connector.channel`), so a formed step cannot wait on itself.
 
     With an EP group (F > 1 FFN ranks), every FFN rank runs every step (lockstep,
@@ -77,7 +85,7 @@ class FFNRuntime:
     Args:
         model: the FFN blocks of every layer (an EP shard of the experts with EP),
             on `device`, in the model dtype.
-        channel: the FFN side of the connector.
+        channel: the FFN side of the connector (any transport).
         dtype: dtype of the A2F/F2A tensors (the model dtype).
         poll_s: longest wait for a header before the stop flag is checked (and, with
             EP, before an idle rank checks in with its group), seconds; a header
@@ -92,7 +100,7 @@ class FFNRuntime:
     def __init__(
         self,
         model: FFNStack,
-        channel: FFNChannel,
+        channel: FFNLink,
         dtype: torch.dtype,
         poll_s: float,
         batch_window_s: float,
@@ -123,12 +131,14 @@ class FFNRuntime:
         layers and steps (expert load; updated in place, on the model's device)."""
         self._graph_buckets = tuple(graph_buckets)
         self._compute: FFNGraphs | None = None
+        self._deferred: StepHeader | None = None
+        """A STEP read while forming a step of another `first_layer`: starts the next."""
 
     def run(self) -> None:
         """Serve headers until `stop()`; then close the channel (same thread)."""
         try:
             while not self._stop.is_set():
-                header = self.channel.recv_header(self._poll_s)
+                header, self._deferred = self._deferred or self.channel.recv_header(self._poll_s), None
                 steps: list[StepHeader] = []
                 membership: list[StepHeader] = []
                 if header is not None and header.kind is HeaderKind.STEP:
@@ -202,6 +212,9 @@ class FFNRuntime:
             header = self.channel.recv_header(max(left, 0.0))
             if header is None:
                 break
+            if header.kind is HeaderKind.STEP and header.first_layer != first.first_layer:
+                self._deferred = header
+                break
             if header.kind is HeaderKind.STEP:
                 steps[header.peer] = header
             else:
@@ -235,12 +248,11 @@ class FFNRuntime:
         hidden = inputs.hidden[:tokens]  # [ΣT_i, H]
         rows = hidden.split(sizes)  # per peer: a view [T_i, H] into hidden
         topk = None if inputs.routing is None else [t[:tokens] for t in inputs.routing]  # ids, weights: [ΣT_i, k]
-        for layer in range(self.model.num_layers):
+        layers = range(steps[0].first_layer, self.model.num_layers)
+        for layer in layers:
             for i, (step, peer_rows) in enumerate(zip(steps, rows)):
-                self.channel.recv_a2f(step.peer, peer_rows)
-                if topk is not None:
-                    ids, weights = (t.split(sizes)[i] for t in topk)  # [T_i, k] views
-                    self.channel.recv_topk(step.peer, ids, weights)
+                peer_topk = None if topk is None else tuple(t.split(sizes)[i] for t in topk)  # [T_i, k] views
+                self.channel.recv_a2f(step.peer, peer_rows, peer_topk)
             out, routed = compute.run(layer, inputs)  # [R, H]; [R, k] int64 for an MoE layer
             if routed is not None:
                 routed = routed[:tokens].flatten()  # [ΣT_i*k]
@@ -253,9 +265,9 @@ class FFNRuntime:
         self.stats = replace(
             stats,
             steps=stats.steps + 1,
-            layers=stats.layers + self.model.num_layers,
+            layers=stats.layers + len(layers),
             tokens=stats.tokens + tokens,
             busy_s=stats.busy_s + time.perf_counter() - start,
-            a2f_bytes=stats.a2f_bytes + (layer_bytes + topk_bytes) * self.model.num_layers,
-            f2a_bytes=stats.f2a_bytes + layer_bytes * self.model.num_layers,
+            a2f_bytes=stats.a2f_bytes + (layer_bytes + topk_bytes) * len(layers),
+            f2a_bytes=stats.f2a_bytes + layer_bytes * len(layers),
         )

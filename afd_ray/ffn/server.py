@@ -14,6 +14,7 @@ import asyncio
 import logging
 import threading
 from collections import defaultdict
+from contextlib import suppress
 from datetime import timedelta
 
 import ray
@@ -83,7 +84,8 @@ class FFNServer:
         dtype = getattr(torch, model.dtype)
         device = torch_device(platform)
         channel = FFNChannel(
-            connector.host or ray.util.get_node_ip_address(), collective_backend(platform), connector.timeout_s
+            connector.host or ray.util.get_node_ip_address(), collective_backend(platform), connector.timeout_s,
+            node=ray.get_runtime_context().get_node_id(),
         )
         self._coordinator = coordinator
         self._load = (resolve_checkpoint(model), dtype, device, gate_placement == "gate_on_attention")
@@ -163,6 +165,15 @@ class FFNServer:
             key = ".".join(p for p in name.split(".") if not p.isdigit())
             totals[key] += param.numel() * param.element_size()
         return dict(totals)
+
+    async def peer_transports(self) -> dict[int, str]:
+        """The data plane of each open pair, by attention rank (`shm`, `gloo`, ...)."""
+        channel = self._runtime.channel
+        transports = {}
+        for peer in channel.peers:
+            with suppress(KeyError):  # removed by the loop meanwhile
+                transports[peer] = channel.transport_of(peer)
+        return transports
 
     async def check_health(self) -> None:
         """Serve's health check.

@@ -125,7 +125,7 @@ def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
         address = channel.address
         assignment = AttentionAssignment(
             peer=0, ffn_rank=0, host=address.host, store_port=address.store_port,
-            control_port=address.control_port, epoch=0, backend="gloo", timeout_s=TIMEOUT_S,
+            control_port=address.control_port, epoch=0, transport="gloo", timeout_s=TIMEOUT_S,
         )
         env.setenv(ASSIGNMENT_ENV, assignment.model_dump_json())
         try:

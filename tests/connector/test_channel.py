@@ -1,4 +1,4 @@
-"""The connector over real gloo pair groups and real ZMQ sockets on loopback."""
+"""The connector over each CPU transport (gloo pair groups, shm slots) and real ZMQ sockets on loopback."""
 
 from __future__ import annotations
 
@@ -15,7 +15,13 @@ from afd_ray.connector.header import HeaderKind, StepHeader
 H = 8
 
 
-def _open_pair(ffn: FFNChannel, peer: int, epoch: int = 0) -> AttentionChannel:
+@pytest.fixture(params=["gloo", "shm"])
+def transport(request: pytest.FixtureRequest) -> str:
+    """Every test runs over each CPU transport of the connector contract."""
+    return request.param
+
+
+def _open_pair(ffn: FFNChannel, peer: int, transport: str, epoch: int = 0) -> AttentionChannel:
     """Attention side in this thread, FFN admission in another (both block until paired)."""
     def admit() -> None:
         header = ffn.recv_header(10)
@@ -24,7 +30,7 @@ def _open_pair(ffn: FFNChannel, peer: int, epoch: int = 0) -> AttentionChannel:
 
     admitter = threading.Thread(target=admit)
     admitter.start()
-    attention = AttentionChannel(ffn.address, peer, epoch, "gloo", timeout_s=10)
+    attention = AttentionChannel(ffn.address, peer, epoch, transport, timeout_s=10)
     admitter.join(10)
     return attention
 
@@ -36,9 +42,9 @@ def test_header_wire_format_round_trips():
         StepHeader.unpack(b"\x00" * 8)
 
 
-def test_steps_of_varying_size_return_the_ffn_output():
+def test_steps_of_varying_size_return_the_ffn_output(transport: str):
     ffn = FFNChannel("127.0.0.1", "gloo", timeout_s=10)
-    attention = _open_pair(ffn, peer=5)
+    attention = _open_pair(ffn, 5, transport)
     sizes = [1, 7, 64, 3]
 
     def serve() -> None:
@@ -64,9 +70,9 @@ def test_steps_of_varying_size_return_the_ffn_output():
     ffn.close()
 
 
-def test_header_of_another_epoch_is_dropped():
+def test_header_of_another_epoch_is_dropped(transport: str):
     ffn = FFNChannel("127.0.0.1", "gloo", timeout_s=10, epoch=1)
-    attention = _open_pair(ffn, peer=0, epoch=1)
+    attention = _open_pair(ffn, 0, transport, epoch=1)
     attention.epoch = 0  # a late sender still on the old epoch
     attention.send_header(4)
     assert ffn.recv_header(1) is None
@@ -83,15 +89,15 @@ def test_idle_header_wait_is_bounded():
     ffn.close()
 
 
-def _join_then_die(address: FFNAddress) -> None:
-    attention = AttentionChannel(address, 0, 0, "gloo", timeout_s=10)
+def _join_then_die(address: FFNAddress, transport: str) -> None:
+    attention = AttentionChannel(address, 0, 0, transport, timeout_s=10)
     attention.send_header(4)
     time.sleep(60)
 
 
-def test_dead_attention_peer_fails_the_receive_instead_of_hanging():
+def test_dead_attention_peer_fails_the_receive_instead_of_hanging(transport: str):
     ffn = FFNChannel("127.0.0.1", "gloo", timeout_s=30)
-    child = mp.get_context("spawn").Process(target=_join_then_die, args=(ffn.address,))
+    child = mp.get_context("spawn").Process(target=_join_then_die, args=(ffn.address, transport))
     child.start()
     join = ffn.recv_header(30)
     ffn.admit(join.peer)

@@ -1,4 +1,4 @@
-"""DBO (two-ubatch) schedule and bucketed receive buffers over real gloo pair groups."""
+"""DBO (two-ubatch) schedule and bucketed receive buffers over each CPU transport (gloo pair groups, shm slots)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,12 @@ from afd_ray.connector.ubatch import attention_layers, ffn_layers, ubatch_slices
 
 H = 8
 LAYERS = 3
+
+
+@pytest.fixture(params=["gloo", "shm"])
+def transport(request: pytest.FixtureRequest) -> str:
+    """Every test runs over each CPU transport of the connector contract."""
+    return request.param
 
 
 def test_ubatch_slices_cover_the_rows_evenly():
@@ -60,7 +66,7 @@ def _step(num_ubatches: int, channel: AttentionChannel | None, x: torch.Tensor) 
     return residual
 
 
-def test_dbo_schedule_over_two_pair_groups_matches_the_colocated_step():
+def test_dbo_schedule_over_two_pair_groups_matches_the_colocated_step(transport: str):
     ffn = FFNChannel("127.0.0.1", "gloo", timeout_s=10, ubatch_groups=2)
     sizes = [7, 1, 16]  # steps served with DBO on, DBO off, DBO on
 
@@ -75,7 +81,7 @@ def test_dbo_schedule_over_two_pair_groups_matches_the_colocated_step():
 
     server = threading.Thread(target=serve)
     server.start()
-    attention = AttentionChannel(ffn.address, 0, 0, "gloo", timeout_s=10, ubatch_groups=2)
+    attention = AttentionChannel(ffn.address, 0, 0, transport, timeout_s=10, ubatch_groups=2)
     for tokens, num_ubatches in zip(sizes, (2, 1, 2), strict=True):
         x = torch.randn(tokens, H)
         attention.send_header(tokens)

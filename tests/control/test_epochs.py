@@ -1,6 +1,6 @@
 """Epochs and member states: a message from an older epoch is dropped, never applied.
 
-Real ZeroMQ header sockets and gloo pair groups on loopback, and a real FFN runtime
+Real ZeroMQ header sockets and each CPU data plane (gloo pair groups, shm) on loopback, and a real FFN runtime
 (tiny Llama stack); the attention side runs in this thread.
 """
 
@@ -21,6 +21,12 @@ from afd_ray.ffn.runtime import FFNRuntime
 from afd_ray.models.tiny import build_tiny
 
 
+@pytest.fixture(params=["gloo", "shm"])
+def transport(request: pytest.FixtureRequest) -> str:
+    """Every test runs over each CPU transport of the connector contract."""
+    return request.param
+
+
 def test_member_states_only_move_forward() -> None:
     state = MemberState.STARTING
     for new in (MemberState.READY, MemberState.DRAINING, MemberState.GONE):
@@ -33,7 +39,7 @@ def test_member_states_only_move_forward() -> None:
             old.to(new)
 
 
-def _join(ffn: FFNChannel, peer: int, epoch: int) -> AttentionChannel:
+def _join(ffn: FFNChannel, peer: int, epoch: int, transport: str) -> AttentionChannel:
     """Open a pair of `epoch` (JOIN read and admitted in another thread)."""
 
     def admit() -> None:
@@ -43,15 +49,15 @@ def _join(ffn: FFNChannel, peer: int, epoch: int) -> AttentionChannel:
 
     admitter = threading.Thread(target=admit)
     admitter.start()
-    attention = AttentionChannel(ffn.address, peer, epoch, "gloo", timeout_s=10)
+    attention = AttentionChannel(ffn.address, peer, epoch, transport, timeout_s=10)
     admitter.join(10)
     return attention
 
 
-def test_channel_drops_headers_of_a_replaced_pairing() -> None:
+def test_channel_drops_headers_of_a_replaced_pairing(transport: str) -> None:
     ffn = FFNChannel("127.0.0.1", "gloo", timeout_s=10)
-    old = _join(ffn, peer=4, epoch=1)
-    new = _join(ffn, peer=4, epoch=3)  # re-peered under a newer epoch; replaces the old pair
+    old = _join(ffn, 4, 1, transport)
+    new = _join(ffn, 4, 3, transport)  # re-peered under a newer epoch; replaces the old pair
     assert ffn.peers == [4]
     old.send_header(5)  # a late STEP of the old pairing
     assert ffn.recv_header(1) is None
@@ -71,7 +77,7 @@ def test_channel_drops_headers_of_a_replaced_pairing() -> None:
     ffn.close()
 
 
-def test_runtime_never_applies_a_stale_header(tmp_path: Path) -> None:
+def test_runtime_never_applies_a_stale_header(tmp_path: Path, transport: str) -> None:
     """A stale STEP would make the runtime post receives nobody sends (a hang); a stale
     LEAVE would drop the live pair. The runtime keeps serving the new pairing."""
     stack = load_ffn_stack(Path(build_tiny("llama", tmp_path / "llama")), torch.float32, torch.device("cpu"))
@@ -79,9 +85,9 @@ def test_runtime_never_applies_a_stale_header(tmp_path: Path) -> None:
     loop = threading.Thread(target=runtime.run)
     loop.start()
     try:
-        old = AttentionChannel(runtime.channel.address, 0, 1, "gloo", timeout_s=10)
+        old = AttentionChannel(runtime.channel.address, 0, 1, transport, timeout_s=10)
         old.close()  # LEAVE under epoch 1
-        new = AttentionChannel(runtime.channel.address, 0, 2, "gloo", timeout_s=10)
+        new = AttentionChannel(runtime.channel.address, 0, 2, transport, timeout_s=10)
         stale = AttentionChannel.__new__(AttentionChannel)
         stale.__dict__.update(new.__dict__ | {"epoch": 1})  # same socket, old epoch
         stale.send_header(3)
@@ -103,7 +109,7 @@ def test_runtime_never_applies_a_stale_header(tmp_path: Path) -> None:
         loop.join(10)
 
 
-def test_runtime_drops_a_peer_that_vanished_without_leave(tmp_path: Path) -> None:
+def test_runtime_drops_a_peer_that_vanished_without_leave(tmp_path: Path, transport: str) -> None:
     """The coordinator reports an attention rank whose replica vanished; its FFN peer
     removes the pair at a step boundary, so steps stop waiting the batching window
     for it, and the other peer keeps being served."""
@@ -113,8 +119,8 @@ def test_runtime_drops_a_peer_that_vanished_without_leave(tmp_path: Path) -> Non
     loop = threading.Thread(target=runtime.run)
     loop.start()
     try:
-        AttentionChannel(runtime.channel.address, 0, 0, "gloo", timeout_s=10)  # joins, then never speaks
-        live = AttentionChannel(runtime.channel.address, 1, 0, "gloo", timeout_s=10)
+        AttentionChannel(runtime.channel.address, 0, 0, transport, timeout_s=10)  # joins, then never speaks
+        live = AttentionChannel(runtime.channel.address, 1, 0, transport, timeout_s=10)
 
         def step() -> float:
             hidden = torch.randn(2, stack.hidden_size)

@@ -54,7 +54,8 @@ def _layers_of(stack: FFNStack, hidden: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _open(runtime: FFNRuntime, peer: int) -> AttentionChannel:
-    return AttentionChannel(runtime.channel.address, peer, 0, "gloo", timeout_s=30)
+    """Even peers over `shm`, odd ones over `gloo`: one FFN rank serves both at once."""
+    return AttentionChannel(runtime.channel.address, peer, 0, ("shm", "gloo")[peer % 2], timeout_s=30)
 
 
 def _attention_peer(
@@ -128,3 +129,17 @@ def test_an_idle_peer_does_not_stall_a_busy_one(runtime: FFNRuntime) -> None:
     # Each step waited at most one batching window for the idle peer.
     assert elapsed < steps * (WINDOW_S + 0.5)
     idle.close()
+
+
+def test_a_step_resumed_at_a_later_layer_runs_the_layers_from_it(runtime: FFNRuntime) -> None:
+    """A STEP with `first_layer` (a step moved to this rank mid-way) is served from
+    that layer on, with the same numbers as the whole step."""
+    channel = _open(runtime, 0)
+    hidden = torch.randn(3, runtime.model.hidden_size)
+    channel.send_header(3, first_layer=1)
+    with torch.inference_mode():
+        for layer in range(1, runtime.model.num_layers):
+            torch.testing.assert_close(channel.exchange(hidden), runtime.model(layer, hidden))
+    _wait_for_steps(runtime, 1)
+    assert runtime.stats.layers == runtime.model.num_layers - 1
+    channel.close()

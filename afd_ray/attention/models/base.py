@@ -18,7 +18,7 @@ from vllm.config import VllmConfig
 from vllm.model_executor.models.utils import AutoWeightsLoader
 from vllm.sequence import IntermediateTensors
 
-from afd_ray.attention.ffn_op import remote_ffn, remote_moe
+from afd_ray.attention.ffn_op import begin_ffn_step, remote_ffn, remote_moe
 from afd_ray.ffn.family import ffn_layout
 from afd_ray.ffn.mlp import GatedMLP
 from afd_ray.ffn.routing import Router
@@ -117,6 +117,7 @@ class AFDCausalLM(nn.Module):
         intermediate_tensors: IntermediateTensors | None = None,
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor | IntermediateTensors:
+        begin_ffn_step(positions.shape[-1])  # positions: [T] ([3, T] with M-RoPE)
         return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:

@@ -14,7 +14,9 @@ from vllm.config import VllmConfig
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.models.llama import LlamaAttention, LlamaForCausalLM
 from vllm.model_executor.models.utils import extract_layer_index
+from vllm.sequence import IntermediateTensors
 
+from afd_ray.attention.ffn_op import begin_ffn_step
 from afd_ray.attention.models.base import AFDDecoderLayer, attention_weights
 
 __all__ = ["AFDLlamaForCausalLM"]
@@ -52,6 +54,16 @@ class AFDLlamaForCausalLM(LlamaForCausalLM):
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=AFDLlamaDecoderLayer)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        begin_ffn_step(positions.shape[-1])  # positions: [T]
+        return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load attention-role tensors only; FFN-role tensors are skipped unread."""

@@ -1,0 +1,136 @@
+"""The connector contract (`afd_ray.connector.link`): transport choice, the typed
+error on a lost peer, bounded and releasable waits, and large messages, over real
+sockets and shared memory on loopback."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from afd_ray.config import AFDConfig
+from afd_ray.connector.channel import AttentionChannel, FFNAddress, FFNChannel
+from afd_ray.connector.header import HeaderKind, StepHeader
+from afd_ray.connector.link import AttentionLink, FFNLink, PeerLostError, select_transport
+from afd_ray.control.registry import Registry
+
+
+def _pair(transport: str, timeout_s: float = 10) -> tuple[FFNChannel, AttentionChannel]:
+    ffn = FFNChannel("127.0.0.1", "gloo", timeout_s=timeout_s)
+
+    def admit() -> None:
+        header = ffn.recv_header(10)
+        assert header is not None and header.kind is HeaderKind.JOIN
+        ffn.admit(header.peer)
+
+    admitter = threading.Thread(target=admit)
+    admitter.start()
+    attention = AttentionChannel(ffn.address, 3, 0, transport, timeout_s=timeout_s)
+    admitter.join(10)
+    return ffn, attention
+
+
+def test_auto_picks_shm_on_one_node_and_the_backend_across_nodes() -> None:
+    assert select_transport("auto", "gloo", same_node=True) == "shm"
+    assert select_transport("auto", "gloo", same_node=False) == "gloo"
+    assert select_transport("auto", "nccl", same_node=False) == "nccl"
+    assert select_transport("gloo", "gloo", same_node=True) == "gloo"  # the config overrides auto
+    with pytest.raises(ValueError, match="connector.transport: 'shm' cannot carry nccl"):
+        select_transport("shm", "nccl", same_node=True)
+
+
+@pytest.mark.parametrize(
+    ("choice", "attention_node", "expected"),
+    [("auto", "n1", "shm"), ("auto", "n2", "gloo"), ("auto", "", "gloo"), ("gloo", "n1", "gloo")],
+)
+def test_the_registry_resolves_each_pair_from_the_nodes_of_its_members(
+    choice: str, attention_node: str, expected: str
+) -> None:
+    """An unknown node ("") never counts as the same node."""
+    registry = Registry("gloo", 5.0, 1, choice)
+    registry.add_ffn(FFNAddress("h0", 10, 11, node="n1"))
+    member = registry.add_attention("r0", attention_node)
+    assert registry.attention_assignment(member.rank).transport == expected
+
+
+def test_config_rejects_a_transport_the_platform_cannot_use() -> None:
+    assert AFDConfig.model_validate({"connector": {"transport": "shm"}}).connector.transport == "shm"
+    with pytest.raises(ValidationError, match="connector.transport: 'nccl' cannot carry gloo"):
+        AFDConfig.model_validate({"connector": {"transport": "nccl"}})
+    with pytest.raises(ValidationError, match="transport"):
+        AFDConfig.model_validate({"connector": {"transport": "tcp"}})
+
+
+def test_step_header_carries_its_first_layer_in_40_bytes() -> None:
+    header = StepHeader(HeaderKind.STEP, peer=1, epoch=2, step_id=3, num_tokens=16, first_layer=29)
+    assert len(header.pack()) == 40
+    assert StepHeader.unpack(header.pack()) == header
+
+
+@pytest.mark.parametrize("transport", ["gloo", "shm"])
+def test_channels_implement_the_contract_and_carry_prefill_sized_steps(transport: str) -> None:
+    """A `[4096, 576]` float32 step (9.4 MB, more than one shm slot) with top-k
+    routing arrives bit for bit; the FFN side reports the pair's transport."""
+    ffn, attention = _pair(transport)
+    assert isinstance(attention, AttentionLink) and isinstance(ffn, FFNLink)
+    assert ffn.transport_of(3) == transport
+    tokens, hidden_size, k = 4096, 576, 2
+    x = torch.randn(tokens, hidden_size)
+    ids = torch.randint(0, 8, (tokens, k))
+    weights = torch.rand(tokens, k)
+
+    def serve() -> None:
+        header = ffn.recv_header(10)
+        got = torch.empty(header.num_tokens, hidden_size)
+        got_ids, got_weights = torch.empty_like(ids), torch.empty_like(weights)
+        ffn.recv_a2f(header.peer, got, (got_ids, got_weights))
+        assert torch.equal(got_ids, ids) and torch.equal(got_weights, weights)
+        ffn.send_f2a(header.peer, got * 2)
+
+    server = threading.Thread(target=serve)
+    server.start()
+    attention.send_header(tokens)
+    assert torch.equal(attention.exchange(x, (ids, weights)), x * 2)
+    server.join(10)
+    attention.close()
+    ffn.close()
+
+
+def test_shm_wait_is_bounded_and_fails_with_the_typed_error() -> None:
+    ffn, attention = _pair("shm", timeout_s=0.5)
+    start = time.monotonic()
+    with pytest.raises(PeerLostError, match="no shm message within 0.5 s") as error:
+        ffn.recv_a2f(3, torch.empty(2, 8))
+    assert error.value.peer == 3
+    assert time.monotonic() - start < 5
+    attention.close()
+    ffn.close()
+
+
+def test_close_releases_a_blocked_shm_wait_at_once() -> None:
+    """The FFN never answers; closing the attention link from another thread ends
+    the exchange with `PeerLostError` well before the 30 s timeout."""
+    ffn, attention = _pair("shm", timeout_s=30)
+    errors: list[BaseException] = []
+
+    def exchange() -> None:
+        try:
+            attention.exchange(torch.randn(2, 8))
+        except PeerLostError as exc:
+            errors.append(exc)
+
+    waiter = threading.Thread(target=exchange)
+    start = time.monotonic()
+    waiter.start()
+    time.sleep(0.2)
+    attention.close()
+    waiter.join(10)
+    assert not waiter.is_alive() and len(errors) == 1
+    assert time.monotonic() - start < 5
+    ffn.recv_a2f(3, torch.empty(2, 8))  # the A2F sent before the close still arrives
+    with pytest.raises(PeerLostError, match="closed the pair or died"):  # then the FFN sees the close
+        ffn.recv_a2f(3, torch.empty(2, 8))
+    ffn.close()
