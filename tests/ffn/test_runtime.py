@@ -143,3 +143,29 @@ def test_a_step_resumed_at_a_later_layer_runs_the_layers_from_it(runtime: FFNRun
     _wait_for_steps(runtime, 1)
     assert runtime.stats.layers == runtime.model.num_layers - 1
     channel.close()
+
+
+@pytest.mark.parametrize("transport", ["gloo", "shm"])
+def test_routing_sent_by_the_attention_side_is_used(tmp_path: Path, transport: str) -> None:
+    """`gate_on_attention`: each layer's A2F carries top-k ids and weights with the
+    rows; the FFN's output equals the whole MoE block routed the same way."""
+    checkpoint = Path(build_tiny("qwen3_moe", tmp_path / "qwen3_moe"))
+    full = load_ffn_stack(checkpoint, torch.float32, torch.device("cpu"))
+    split = load_ffn_stack(checkpoint, torch.float32, torch.device("cpu"), gate_on_attention=True)
+    runtime = FFNRuntime(split, FFNChannel("127.0.0.1", "gloo", timeout_s=30), torch.float32, 0.05, 0.0)
+    loop = threading.Thread(target=runtime.run)
+    loop.start()
+    try:
+        link = AttentionChannel(runtime.channel.address, 0, 0, transport, timeout_s=30)
+        hidden = torch.randn(5, split.hidden_size)
+        link.send_header(5)
+        with torch.inference_mode():
+            for layer, layer_id in enumerate(split.layer_ids):
+                block = full.layers[full.layer_ids.index(layer_id)]
+                routing = block.route(hidden)  # ids [5, k] int64, weights [5, k] float32
+                got = link.exchange(hidden, (routing.ids, routing.weights))
+                torch.testing.assert_close(got, block(hidden, routing))
+        link.close()
+    finally:
+        runtime.stop()
+        loop.join(10)
