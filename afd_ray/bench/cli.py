@@ -34,12 +34,15 @@ from afd_ray.models import FAMILIES
 
 __all__ = ["build_parser", "format_table", "main"]
 
-SMOKE = {"topologies": ("plain", "1A1F"), "concurrency": 1, "requests_per_stream": 1, "max_tokens": 4}
+SMOKE = {
+    "topologies": ("plain", "1A1F"), "concurrency": 1, "requests_per_stream": 1, "max_tokens": 4,
+    "transport_microbench": False,
+}
 """`--smoke`: one short request per topology, plain and 1A:1F; flags given explicitly
 still win."""
 
 _FLAG_TYPES: dict[str, dict[str, object]] = {
-    "families": {"nargs": "+", "choices": FAMILIES},
+    "families": {"nargs": "+", "choices": (*FAMILIES, "smollm2", "smollm2-moe")},
     "topologies": {"nargs": "+", "metavar": "LAYOUT"},
     "concurrency": {"type": int},
     "requests_per_stream": {"type": int},
@@ -51,6 +54,8 @@ _FLAG_TYPES: dict[str, dict[str, object]] = {
     "bundle_cpus": {"type": float},
     "kv_cache_gib": {"type": float},
     "max_model_len": {"type": int},
+    "transport": {"choices": ("auto", "shm", "gloo")},
+    "transport_microbench": {"action": argparse.BooleanOptionalAction},
     "seed": {"type": int},
     "checkpoints": {"type": Path},
     "request_timeout_s": {"type": float},
@@ -190,11 +195,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(e))
 
     from afd_ray.bench.runner import run_benchmark
+    from afd_ray.bench.transport import format_table as format_transport_table
 
     with _serve_endpoint(cfg, ray_address, serve_url) as url:
         result = run_benchmark(cfg, url)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(result.model_dump_json(indent=2) + "\n")
     print(format_table(result))
+    if result.transport is not None:
+        print(format_transport_table(result.transport.model_dump()))
     print(f"afd_ray.bench: wrote {out}")
     return 0

@@ -8,10 +8,15 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from afd_ray.connector.link import TransportChoice
 from afd_ray.models import Family
+
+Embedded = Literal["smollm2", "smollm2-moe"]
+"""An embedded checkpoint (`afd_ray.models.embedded`), benchmarked like a family."""
 
 __all__ = ["BenchConfig", "Topology"]
 
@@ -60,8 +65,9 @@ class BenchConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
-    families: tuple[Family, ...] = Field(("qwen3_moe",), min_length=1)
-    """Tiny checkpoint families to serve (`afd_ray.models.tiny`), one after another."""
+    families: tuple[Family | Embedded, ...] = Field(("qwen3_moe",), min_length=1)
+    """Checkpoints to serve, one after another: tiny families (`afd_ray.models.tiny`)
+    or the embedded SmolLM2 (`smollm2`) and its MoE upcycling (`smollm2-moe`)."""
 
     topologies: tuple[Topology, ...] = Field(
         (Topology(attention=1, ffn=0), Topology(attention=1, ffn=1), Topology(attention=2, ffn=2)),
@@ -102,6 +108,13 @@ class BenchConfig(BaseModel):
 
     max_model_len: int = Field(512, ge=16)
     """Context length of each engine, tokens (prompt + output)."""
+
+    transport: TransportChoice = "auto"
+    """`ConnectorConfig.transport` of the AFD runs (`auto`: `shm` on one node)."""
+
+    transport_microbench: bool = True
+    """Also measure the A2F+F2A round trip per layer of every CPU transport
+    (`afd_ray.bench.transport`) before the serving runs."""
 
     seed: int = 0
     """Weight seed of the tiny checkpoints."""

@@ -28,9 +28,11 @@ from ray import serve
 from afd_ray.bench.config import BenchConfig, Topology
 from afd_ray.bench.load import LoadResult, run_load
 from afd_ray.bench.plain import build_plain_app
-from afd_ray.bench.schema import BenchResult, FFNRankResult, Latency, Machine, RunResult
-from afd_ray.config import AFDConfig, AttentionPoolConfig, FFNPoolConfig, ModelConfig
+from afd_ray.bench.schema import BenchResult, FFNRankResult, Latency, Machine, RunResult, TransportResult
+from afd_ray.bench.transport import run as run_transport_microbench
+from afd_ray.config import AFDConfig, AttentionPoolConfig, ConnectorConfig, FFNPoolConfig, ModelConfig
 from afd_ray.control.membership import AFDStatus, FFNMember
+from afd_ray.models.embedded import prepare_smollm2, prepare_smollm2_moe
 from afd_ray.models.tiny import build_tiny
 from afd_ray.serve.app import build_app
 
@@ -84,7 +86,17 @@ def _app_config(cfg: BenchConfig, checkpoint: Path, topology: Topology) -> AFDCo
         )
         if topology.ffn
         else FFNPoolConfig(),
+        connector=ConnectorConfig(transport=cfg.transport),
     )
+
+
+def _checkpoint(cfg: BenchConfig, family: str) -> Path:
+    """The folder of `family`: the embedded SmolLM2 (or its MoE), or a tiny one."""
+    if family == "smollm2":
+        return prepare_smollm2()
+    if family == "smollm2-moe":
+        return prepare_smollm2_moe()
+    return build_tiny(family, cfg.checkpoints / f"{family}-seed{cfg.seed}", cfg.seed)
 
 
 def _settled_status(http: httpx.Client, route: str) -> AFDStatus:
@@ -215,14 +227,19 @@ def run_benchmark(cfg: BenchConfig, base_url: str, progress: Callable[[str], Non
         RuntimeError: an FFN rank served no step during a load.
         TimeoutError: FFN counters did not settle after a load.
     """
+    transport = None
+    if cfg.transport_microbench:
+        progress("afd_ray.bench: transport round trips ...")
+        transport = TransportResult.model_validate(run_transport_microbench())
     runs = []
     for family in cfg.families:
-        checkpoint = build_tiny(family, cfg.checkpoints / f"{family}-seed{cfg.seed}", cfg.seed)
+        checkpoint = _checkpoint(cfg, family)
         for topology in cfg.topologies:
             progress(f"afd_ray.bench: {family} {topology.label} ...")
             run = _run_one(cfg, family, checkpoint, topology, base_url)
             progress(f"afd_ray.bench: {family} {topology.label}: {run.output_tokens_per_s:.1f} output tok/s")
             runs.append(run)
     return BenchResult(
-        created=datetime.now(UTC).isoformat(timespec="seconds"), machine=machine(), config=cfg, runs=runs
+        created=datetime.now(UTC).isoformat(timespec="seconds"), machine=machine(), config=cfg, runs=runs,
+        transport=transport,
     )

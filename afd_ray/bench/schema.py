@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict
 
 from afd_ray.bench.config import BenchConfig, Topology
 
-__all__ = ["SCHEMA_VERSION", "BenchResult", "FFNRankResult", "Latency", "Machine", "RunResult"]
+__all__ = ["SCHEMA_VERSION", "BenchResult", "FFNRankResult", "Latency", "Machine", "RunResult", "TransportResult"]
 
 SCHEMA_VERSION = 1
 """Bumped whenever a field changes meaning or is removed."""
@@ -123,6 +123,23 @@ class RunResult(_Record):
     """`formula_bytes_per_step` summed over FFN ranks; None for plain vLLM."""
 
 
+class TransportResult(_Record):
+    """The transport microbenchmark (`afd_ray.bench.transport`)."""
+
+    roundtrip_us_per_layer: dict[str, dict[str, float]]
+    """Transport -> token count T (as a string) -> median A2F+F2A round trip per
+    layer, microseconds."""
+    hidden_size: int
+    dtype: str
+    layers_per_step: int
+    steps: int
+    threads_per_side: int
+    cpu: str
+    cores: int
+    load_average_at_start: float
+    """1-minute load average when the microbenchmark started (other work on the cores)."""
+
+
 class BenchResult(_Record):
     """The whole result file."""
 
@@ -132,3 +149,5 @@ class BenchResult(_Record):
     machine: Machine
     config: BenchConfig
     runs: list[RunResult]
+    transport: TransportResult | None = None
+    """Round trip per layer of each CPU transport, measured before the runs."""
