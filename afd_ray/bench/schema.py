@@ -129,11 +129,18 @@ class TransportResult(_Record):
     roundtrip_us_per_layer: dict[str, dict[str, float]]
     """Transport -> token count T (as a string) -> median A2F+F2A round trip per
     layer, microseconds."""
+    attention_cpu_us_per_layer: dict[str, dict[str, float]]
+    """Same keys: CPU time of the attention process per layer, microseconds (the
+    rest of the round trip is waiting on the FFN process and wake-ups)."""
     hidden_size: int
     dtype: str
     layers_per_step: int
     steps: int
     threads_per_side: int
+    compute: bool
+    """Whole layers with SmolLM2-sized compute on both sides, not bare round trips."""
+    omp_wait_policy: str
+    """`OMP_WAIT_POLICY` of both processes ("" when unset)."""
     cpu: str
     cores: int
     load_average_at_start: float

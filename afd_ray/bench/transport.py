@@ -21,6 +21,7 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -36,9 +37,11 @@ CPU_TRANSPORTS: tuple[Transport, ...] = ("shm", "gloo")
 _TIMEOUT_S = 60.0
 
 
-def _ffn(queue: mp.Queue, hidden_size: int, layers: int, threads: int) -> None:
-    """FFN process: admit each peer, echo every layer of every step, until idle."""
+def _ffn(queue: mp.Queue, hidden_size: int, layers: int, threads: int, compute: bool) -> None:
+    """FFN process: admit each peer, answer every layer of every step (its input, or
+    with `compute` a SmolLM2-sized gated MLP of it), until idle."""
     torch.set_num_threads(threads)
+    mlp = _mlp(hidden_size) if compute else None
     channel = FFNChannel("127.0.0.1", "gloo", _TIMEOUT_S)
     queue.put(channel.address)
     buffers: dict[int, torch.Tensor] = {}
@@ -50,15 +53,35 @@ def _ffn(queue: mp.Queue, hidden_size: int, layers: int, threads: int) -> None:
         else:
             rows = buffers.setdefault(header.num_tokens, torch.empty(header.num_tokens, hidden_size))
             for _ in range(layers):
-                channel.send_f2a(header.peer, channel.recv_a2f(header.peer, rows))
+                x = channel.recv_a2f(header.peer, rows)
+                channel.send_f2a(header.peer, x if mlp is None else mlp(x))
     channel.close()
 
 
+def _mlp(hidden_size: int, intermediate: int = 1536) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A gated MLP of SmolLM2-135M's size (H=576, I=1536), random float32 weights:
+    `[T, H] -> [T, H]`."""
+    gate_up = torch.randn(2 * intermediate, hidden_size) / hidden_size**0.5
+    down = torch.randn(hidden_size, intermediate) / intermediate**0.5
+
+    def mlp(x: torch.Tensor) -> torch.Tensor:
+        gate, up = (x @ gate_up.T).chunk(2, dim=-1)  # [T, I] each
+        return (torch.nn.functional.silu(gate) * up) @ down.T  # [T, H]
+
+    return mlp
+
+
 def measure(
-    address: FFNAddress, transport: Transport, peer: int, tokens: int, hidden_size: int, layers: int, steps: int
-) -> float:
-    """Median round trip per layer (µs) of `steps` steps of `layers` exchanges of
-    `[tokens, hidden_size]` float32, after a checked warm-up step.
+    address: FFNAddress, transport: Transport, peer: int, tokens: int, hidden_size: int, layers: int, steps: int,
+    compute: bool = False,
+) -> tuple[float, float]:
+    """Median wall time per layer (µs) of `steps` steps of `layers` exchanges of
+    `[tokens, hidden_size]` float32, after a warm-up step; without `compute` the
+    warm-up checks that every answer equals what was sent. With `compute`, each
+    layer also runs an attention stand-in here (`[T, H] @ [H, 1536]`, about
+    SmolLM2's attention projections) and the FFN process a SmolLM2-sized MLP.
+    Second: this process's CPU time per layer (µs; Python, copies and syscalls of
+    the attention side; the rest of the wall time is waiting for the FFN side).
 
     Raises:
         AssertionError: an answer differs from what was sent.
@@ -70,16 +93,20 @@ def measure(
         link.send_header(tokens)
         for layer in range(layers):
             sent = hidden * (layer + 1)
-            if not torch.equal(link.exchange(sent, out=out), sent):
+            if not torch.equal(link.exchange(sent, out=out), sent) and not compute:
                 raise AssertionError(f"{transport}: layer {layer} came back changed (T={tokens})")
-        per_layer = []
+        attend = torch.randn(hidden_size, 1536) / hidden_size**0.5
+        per_layer, cpu_per_layer = [], []
         for _ in range(steps):
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             link.send_header(tokens)
             for _ in range(layers):
+                if compute:
+                    hidden = torch.tanh(hidden @ attend)[:, :hidden_size].contiguous()  # [T, H]
                 link.exchange(hidden, out=out)
             per_layer.append((time.perf_counter() - start) / layers * 1e6)
-        return statistics.median(per_layer)
+            cpu_per_layer.append((time.process_time() - cpu) / layers * 1e6)
+        return statistics.median(per_layer), statistics.median(cpu_per_layer)
     finally:
         link.close()
 
@@ -91,23 +118,27 @@ def run(
     layers: int = 30,
     steps: int = 50,
     threads: int = 1,
+    compute: bool = False,
 ) -> dict[str, object]:
     """Round trip per layer (µs) for each transport and token count; `hidden_size`
-    and `layers` default to SmolLM2-135M's (H = 576, 30 layers)."""
+    and `layers` default to SmolLM2-135M's (H = 576, 30 layers). `threads`: torch
+    threads of each side; `compute`: time whole layers with compute on both sides
+    (see `measure`), to compare one thread each against all cores each."""
     torch.set_num_threads(threads)
     context = mp.get_context("spawn")
     queue = context.Queue()
-    ffn = context.Process(target=_ffn, args=(queue, hidden_size, layers, threads), daemon=True)
+    ffn = context.Process(target=_ffn, args=(queue, hidden_size, layers, threads, compute), daemon=True)
     ffn.start()
     try:
         address = queue.get(timeout=_TIMEOUT_S)
         results: dict[str, dict[str, float]] = {}
+        cpu: dict[str, dict[str, float]] = {}
         peer = 0
         for transport in transports:
-            results[transport] = {}
+            results[transport], cpu[transport] = {}, {}
             for tokens in token_counts:
-                results[transport][str(tokens)] = measure(
-                    address, transport, peer, tokens, hidden_size, layers, steps
+                results[transport][str(tokens)], cpu[transport][str(tokens)] = measure(
+                    address, transport, peer, tokens, hidden_size, layers, steps, compute
                 )
                 peer += 1
     finally:
@@ -115,11 +146,14 @@ def run(
         ffn.join(10)
     return {
         "roundtrip_us_per_layer": results,
+        "attention_cpu_us_per_layer": cpu,
         "hidden_size": hidden_size,
         "dtype": "float32",
         "layers_per_step": layers,
         "steps": steps,
         "threads_per_side": threads,
+        "compute": compute,
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
         "cpu": platform.processor() or platform.machine(),
         "cores": os.cpu_count(),
         "load_average_at_start": os.getloadavg()[0],
@@ -130,8 +164,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m afd_ray.bench.transport", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="write the result JSON here")
     parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of each side")
+    parser.add_argument("--compute", action="store_true", help="SmolLM2-sized compute on both sides per layer")
     args = parser.parse_args()
-    result = run(steps=args.steps)
+    result = run(steps=args.steps, threads=args.threads, compute=args.compute)
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(format_table(result))
@@ -143,8 +179,12 @@ def format_table(result: dict[str, object]) -> str:
     counts = list(next(iter(table.values())))
     lines = ["| transport | " + " | ".join(f"T={t}" for t in counts) + " |", "|---" * (len(counts) + 1) + "|"]
     for transport, row in table.items():
-        lines.append(f"| {transport} | " + " | ".join(f"{row[t]:.0f}" for t in counts) + " |")
-    return "\n".join(lines) + f"\n(A2F+F2A round trip per layer, µs, H={result['hidden_size']} float32)"
+        cpu = result["attention_cpu_us_per_layer"][transport]
+        lines.append(f"| {transport} | " + " | ".join(f"{row[t]:.0f} ({cpu[t]:.0f})" for t in counts) + " |")
+    return "\n".join(lines) + (
+        f"\n(per layer, µs, H={result['hidden_size']} float32: wall (attention-side CPU); "
+        f"compute={result['compute']}, {result['threads_per_side']} thread(s) per side)"
+    )
 
 
 if __name__ == "__main__":
