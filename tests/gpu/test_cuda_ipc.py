@@ -1,10 +1,11 @@
 """The pair transport between two processes on ONE GPU (`cuda_ipc`: torch symmetric
-memory over CUDA IPC, `afd_ray.connector.nvlink` with both sides on cuda:0), which
-NCCL refuses ("Duplicate GPU detected").
+memory over CUDA IPC), which NCCL refuses ("Duplicate GPU detected").
 
-Runs `afd_ray.bench.decode_nvlink --one-gpu` briefly: the FFN side returns `2x + 1`
-for every layer and ubatch slot, and the attention side checks every byte, eager and
-over 3 replays of a CUDA graph with new inputs each. Skips visibly without CUDA.
+Runs `afd_ray.bench.cuda_ipc` (the serving path's `CudaIpcPair`) and
+`afd_ray.bench.decode_nvlink --one-gpu` (the typed NVLink pair) briefly: the FFN side
+returns `2x + 1` for every layer, and the attention side checks every byte, eager and
+over 3 replays of a CUDA graph with new inputs each (the FFN side checks the top-k
+bytes it got). Skips visibly without CUDA.
 """
 
 from __future__ import annotations
@@ -25,17 +26,32 @@ pytestmark = [
 ]
 
 
-def test_two_processes_on_one_gpu_exchange_exact_bytes(tmp_path: Path) -> None:
+def _run(cmd: list[str]) -> subprocess.CompletedProcess:
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run(cmd, cwd=root, env=env, timeout=280, capture_output=True, text=True)
+    print(proc.stdout[-4000:], proc.stderr[-4000:])
+    return proc
+
+
+def test_cuda_ipc_pair_exchanges_exact_bytes(tmp_path: Path) -> None:
     out = tmp_path / "cuda_ipc.json"
+    proc = _run([
+        sys.executable, "-m", "afd_ray.bench.cuda_ipc", "--out", str(out),
+        "--tokens", "1", "16", "128", "--layers", "4", "--iters", "3", "--warmup", "1",
+    ])
+    results = json.loads(out.read_text())
+    assert proc.returncode == 0 and results["correct"], results
+
+
+def test_nvlink_pair_on_one_gpu_exchanges_exact_bytes(tmp_path: Path) -> None:
+    out = tmp_path / "nvlink.json"
     cmd = [
         sys.executable, "-m", "afd_ray.bench.decode_nvlink", "--one-gpu", "--out", str(out),
         "--tokens", "1", "16", "128", "--layers", "4", "--iters", "3", "--warmup", "1",
         "--writes", "copy", "--timeout-s", "200",
     ]
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run(cmd, cwd=root, env=env, timeout=280, capture_output=True, text=True)
-    print(proc.stdout[-4000:], proc.stderr[-4000:])
+    proc = _run(cmd)
     results = json.loads(out.read_text())
     assert proc.returncode == 0, results.get("failed")
     assert results["gpus"] == 1

@@ -1,0 +1,194 @@
+"""`cuda_ipc`: the data plane of a pair whose two processes run on GPUs of one node,
+including both on ONE GPU (NCCL refuses that: "Duplicate GPU detected").
+
+Memory: each side allocates one torch symmetric-memory buffer (CUDA backend: cuMem
+allocations exchanged over CUDA IPC, multicast off) and maps the other side's
+(`rendezvous` over the pair's registered gloo group, `afd_ray.connector.process_group`).
+Two processes on one GPU are allowed through `afd_ray.compat.allow_symm_mem_shared_device`.
+Each buffer holds, per micro-batch `u`, two slots of `SLOT_BYTES`:
+
+    [ A2F slot u=0 | F2A slot u=0 | A2F slot u=1 | F2A slot u=1 | ... ]
+
+The FFN side's A2F slots and the attention side's F2A slots are the ones written.
+
+Send (`send`): copy the message's tensors, each at a 16-byte aligned offset, into the
+PEER's slot of this direction (device copies through the peer mapping), then raise the
+slot's flag in the peer's signal pad (`put_signal`: a one-thread kernel, a release
+compare-and-swap 0 -> 1 at system scope). Receive (`recv`): make the current stream
+wait for the flag (`wait_signal`: acquire 1 -> 0), then copy the tensors out of this
+side's own slot into the caller's `out` tensors. Everything is queued on the caller's
+current CUDA stream and returns at once on the host, so `Pending.wait()` has nothing
+left to do, and a step of either side can be captured in a CUDA graph (the flags are
+consumed by each wait, so a graph replays any number of times).
+
+Why it is safe to reuse a slot: the link contract (`afd_ray.connector.link`)
+alternates A2F and F2A per ubatch, so a side writes a slot of the peer again only
+after it received the peer's answer, which the peer raised after its copy out of that
+slot (same stream, earlier).
+
+Failure: every flag wait and put is bounded by `timeout_ms` on the device; past it
+torch's kernel traps, which ends the CUDA context of that process (the replica then
+fails and Serve restarts it): a dead peer is never waited on forever, but is
+detected only after the timeout.
+
+Two processes on one GPU need NVIDIA MPS for microsecond round trips: without it the
+GPU time-slices between the two contexts (measured on one H200: 4.5 ms per round trip
+without MPS, 7.1-7.6 us in a CUDA graph with MPS, T = 1..128, H = 2048 bf16).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+import torch.distributed._symmetric_memory as symm_mem
+
+from afd_ray.compat import allow_symm_mem_shared_device
+from afd_ray.connector.process_group import registered_gloo_group, unregister_group
+
+__all__ = ["SLOT_BYTES", "CudaIpcPair", "open_cuda_ipc_pair"]
+
+SLOT_BYTES = 64 << 20
+"""Bytes of one slot (one direction of one ubatch): `[T, H]` bfloat16 rows up to
+T * H * 2 <= 64 MiB (T = 16384 at H = 2048), plus the top-k tensors."""
+_ALIGN = 16
+_BARRIER_CHANNEL = 0
+
+Side = Literal["attention", "ffn"]
+
+
+class _Done:
+    """A `Pending` whose work is already queued on the current CUDA stream."""
+
+    def wait(self) -> None:
+        return None
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+class CudaIpcPair:
+    """One side of a pair's CUDA-IPC data plane (built by `open_cuda_ipc_pair`).
+
+    Args:
+        side: `attention` or `ffn`.
+        group: the pair's 2-rank registered gloo group (FFN rank 0, attention rank 1).
+        ubatches: slots per direction, one per micro-batch in flight.
+        device: this side's CUDA device.
+        timeout_ms: device-side bound on every flag wait and put.
+        slot_bytes: bytes of one slot.
+
+    Raises:
+        ValueError: `device` is not CUDA, or `ubatches` < 1.
+        RuntimeError: the rendezvous failed (from torch).
+    """
+
+    def __init__(
+        self,
+        side: Side,
+        group: dist.ProcessGroup,
+        ubatches: int,
+        device: torch.device,
+        timeout_ms: int,
+        slot_bytes: int = SLOT_BYTES,
+    ) -> None:
+        if device.type != "cuda":
+            raise ValueError(f"cuda_ipc needs a CUDA device, got {device}")
+        if ubatches < 1:
+            raise ValueError(f"ubatches must be >= 1, got {ubatches}")
+        self.side = side
+        self.ubatches = ubatches
+        self.slot_bytes = slot_bytes
+        self.timeout_ms = timeout_ms
+        self._group = group
+        numel = 2 * ubatches * slot_bytes
+        allow_symm_mem_shared_device()
+        self._buffer = symm_mem.empty(numel, dtype=torch.uint8, device=device)
+        self._handle = symm_mem.rendezvous(self._buffer, group.group_name)
+        self._peer = 1 - self._handle.rank
+        self._peer_buffer = self._handle.get_buffer(self._peer, (numel,), torch.uint8, 0)
+        self._handle.barrier(_BARRIER_CHANNEL, timeout_ms)
+        torch.cuda.current_stream(device).synchronize()
+
+    def _slot(self, buffer: torch.Tensor, direction: int, ubatch: int) -> torch.Tensor:
+        if not 0 <= ubatch < self.ubatches:
+            raise ValueError(f"ubatch {ubatch} outside [0, {self.ubatches})")
+        start = (2 * ubatch + direction) * self.slot_bytes
+        return buffer[start : start + self.slot_bytes]
+
+    def _channel(self, direction: int, ubatch: int) -> int:
+        return 1 + 2 * ubatch + direction
+
+    @property
+    def _send_direction(self) -> int:
+        return 0 if self.side == "attention" else 1  # 0: A2F, 1: F2A
+
+    def _views(self, slot: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Where each of `tensors` lies in `slot` (aligned, in order)."""
+        views, offset = [], 0
+        for tensor in tensors:
+            nbytes = tensor.numel() * tensor.element_size()
+            if offset + nbytes > self.slot_bytes:
+                raise ValueError(f"message of {offset + nbytes} bytes exceeds the {self.slot_bytes}-byte slot")
+            views.append(slot[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape))
+            offset = _aligned(offset + nbytes)
+        return views
+
+    def send(self, tensors: Sequence[torch.Tensor], ubatch: int) -> _Done:
+        """Queue the message `tensors` (contiguous, on this device) to the peer's slot of
+        `ubatch`, then its flag; the tensors may be changed once later work on the
+        current stream runs.
+
+        Raises:
+            ValueError: the message exceeds a slot, or `ubatch` is out of range.
+        """
+        direction = self._send_direction
+        for view, tensor in zip(self._views(self._slot(self._peer_buffer, direction, ubatch), tensors), tensors):
+            view.copy_(tensor)
+        self._handle.put_signal(self._peer, self._channel(direction, ubatch), self.timeout_ms)
+        return _Done()
+
+    def recv(self, outs: Sequence[torch.Tensor], ubatch: int) -> _Done:
+        """Queue the wait for the peer's message on `ubatch` and the copies into `outs`
+        (contiguous, exact shapes and dtypes of what the peer sends)."""
+        direction = 1 - self._send_direction
+        self._handle.wait_signal(self._peer, self._channel(direction, ubatch), self.timeout_ms)
+        for view, out in zip(self._views(self._slot(self._buffer, direction, ubatch), outs), outs):
+            out.copy_(view)
+        return _Done()
+
+    def exchange(self, sends: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], ubatch: int) -> None:
+        """`send(sends)` then `recv(outs)` on `ubatch` (the attention side's layer)."""
+        self.send(sends, ubatch)
+        self.recv(outs, ubatch)
+
+    def close(self) -> None:
+        """Forget the pair's group name; the buffers go with this object."""
+        unregister_group(self._group.group_name)
+
+
+def open_cuda_ipc_pair(side: Side, store: dist.Store, peer: int, ubatches: int, timeout_s: float) -> CudaIpcPair:
+    """Open one side of attention rank `peer`'s CUDA-IPC pair on this process's current
+    CUDA device (a collective: both sides call it with a store private to the pair,
+    e.g. a `PrefixStore` of the pair's peer and epoch).
+
+    The FFN side names the pair's group (unique in its process: it may hold pairs of
+    many peers and epochs) and publishes the name in `store`.
+
+    Raises:
+        RuntimeError / DistStoreError: the other side did not rendezvous within `timeout_s`.
+    """
+    if side == "ffn":
+        name = f"afd-ipc-{peer}-{uuid.uuid4().hex[:12]}"
+        store.set("ipc/group", name)
+    else:
+        store.wait(["ipc/group"], timedelta(seconds=timeout_s))
+        name = store.get("ipc/group").decode()
+    group = registered_gloo_group(store, 0 if side == "ffn" else 1, 2, timeout_s, name)
+    device = torch.device("cuda", torch.cuda.current_device())
+    return CudaIpcPair(side, group, ubatches, device, int(timeout_s * 1000))

@@ -1,0 +1,136 @@
+"""AFD 1A:1F on ONE GPU through the real Serve application, against plain vLLM on the
+same GPU: the attention engine (vLLM, `AttentionServer`) and the FFN rank
+(`FFNServer`) share the GPU through 0.5-GPU bundles and exchange activations over
+`cuda_ipc` (NCCL refuses two ranks on one device).
+
+- tiny Llama and tiny Qwen3-MoE in float32 (vLLM picks a float32-capable attention
+  backend for both engines): greedy tokens equal;
+- tiny DeepSeek-V3 (MLA) in bfloat16: greedy tokens equal for >= 95% of positions; the
+  prompt logprobs' max abs difference is printed and recorded.
+
+Eager engines (`enforce_eager`). Needs CUDA, vLLM and Ray (the device pack); run with
+the NVIDIA MPS daemon up for speed (it is correct without). Skips visibly elsewhere.
+Prints one JSON line per family (`SERVE_ONE_GPU {...}`) for the results file.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.timeout(900),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU machine)"),
+]
+
+PROMPTS = ["The quick brown fox", "def main():", "Hello, my name is", "import os", "class Node:", "In the beginning"]
+LENGTHS = [4, 24, 9, 16, 31, 12]
+FAMILIES = {"llama": "float32", "qwen3_moe": "float32", "deepseek_v3": "bfloat16"}
+BF16_MIN_EQUAL = 0.95
+
+
+def _plain(checkpoint: Path, dtype: str) -> tuple[list[list[int]], list[list[float]]]:
+    """Plain vLLM's greedy tokens and prompt logprobs, in-process, then the GPU freed."""
+    from vllm import LLM, SamplingParams
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    try:
+        llm = LLM(str(checkpoint), dtype=dtype, enforce_eager=True, max_model_len=512,
+                  kv_cache_memory_bytes=1 << 28, gpu_memory_utilization=0.3)
+        tokens, logprobs = [], []
+        for prompt, length in zip(PROMPTS, LENGTHS, strict=True):
+            params = SamplingParams(temperature=0, max_tokens=length, ignore_eos=True, prompt_logprobs=0)
+            (out,) = llm.generate([prompt], params, use_tqdm=False)
+            tokens.append(list(out.outputs[0].token_ids))
+            logprobs.append([
+                entry[token].logprob for entry, token in zip(out.prompt_logprobs[1:], out.prompt_token_ids[1:])
+            ])
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+    finally:
+        del os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"]
+    gc.collect()
+    torch.cuda.empty_cache()
+    return tokens, logprobs
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def serve_url() -> str:
+    ray = pytest.importorskip("ray", reason="needs Ray (the device pack)")
+    from ray import serve
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_gpus=1, include_dashboard=False)
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_afd_on_one_gpu_equals_plain_vllm(serve_url: str, family: str, tmp_path: Path) -> None:
+    import httpx
+    from ray import serve
+
+    from afd_ray.models.tiny import build_tiny
+    from afd_ray.serve.app import build_app
+
+    dtype = FAMILIES[family]
+    checkpoint = Path(build_tiny(family, tmp_path / family))
+    expected, expected_logprobs = _plain(checkpoint, dtype)
+    args = {
+        "platform": "cuda",
+        "model": {"source": str(checkpoint), "served_name": "tiny", "dtype": dtype, "max_model_len": 512},
+        "attention": {"kv_cache_gib": 0.25, "max_num_seqs": 8, "bundle_resources": 0.5,
+                      "gpu_memory_utilization": 0.3, "enforce_eager": True},
+        "ffn": {"bundle_resources": 0.5},
+        "connector": {"transport": "cuda_ipc"},
+    }
+    name = f"gpu-{family}"
+    start = time.perf_counter()
+    serve.run(build_app(args), name=name, route_prefix=f"/{name}")
+    started_s = time.perf_counter() - start
+    try:
+        with httpx.Client(base_url=serve_url, timeout=300) as http:
+            got, got_logprobs = [], []
+            for prompt, length in zip(PROMPTS, LENGTHS, strict=True):
+                body = {"model": "tiny", "prompt": prompt, "max_tokens": length, "temperature": 0,
+                        "ignore_eos": True, "return_token_ids": True, "prompt_logprobs": 0}
+                response = http.post(f"/{name}/v1/completions", json=body)
+                assert response.status_code == 200, response.text
+                choice = response.json()["choices"][0]
+                got.append(choice["token_ids"])
+                # prompt_logprobs=0: each position holds the prompt token's entry only
+                entries = (choice.get("prompt_logprobs") or [None])[1:]
+                got_logprobs.append([next(iter(entry.values()))["logprob"] for entry in entries if entry])
+    finally:
+        serve.delete(name)
+    positions = sum(len(t) for t in expected)
+    equal = sum(a == b for got_t, exp_t in zip(got, expected, strict=True) for a, b in zip(got_t, exp_t, strict=True))
+    diffs = [abs(a - b) for g, e in zip(got_logprobs, expected_logprobs, strict=True) if len(g) == len(e)
+             for a, b in zip(g, e, strict=True)]
+    record = {
+        "family": family, "dtype": dtype, "equal_positions": equal, "positions": positions,
+        "all_equal": got == expected, "prompt_logprob_max_abs_diff": max(diffs) if diffs else None,
+        "app_start_s": started_s, "gpu": torch.cuda.get_device_name(0),
+    }
+    print("SERVE_ONE_GPU " + json.dumps(record), flush=True)
+    if dtype == "float32":
+        assert got == expected
+    else:
+        assert equal / positions >= BF16_MIN_EQUAL, record
