@@ -8,7 +8,9 @@ same GPU: the attention engine (vLLM, `AttentionServer`) and the FFN rank
 - tiny DeepSeek-V3 (MLA) in bfloat16: greedy tokens equal for >= 95% of positions; the
   prompt logprobs' max abs difference is printed and recorded.
 
-Eager engines (`enforce_eager`). Needs CUDA, vLLM and Ray (the device pack); run with
+Eager engines, and for Llama also CUDA graphs (`enforce_eager: false`: vLLM's
+piecewise capture split at `afd_ray::remote_ffn`; plain vLLM uses its own default
+graph modes). Needs CUDA, vLLM and Ray (the device pack); run with
 the NVIDIA MPS daemon up for speed (it is correct without). Skips visibly elsewhere.
 Prints one JSON line per family (`SERVE_ONE_GPU {...}`) for the results file.
 """
@@ -34,16 +36,18 @@ pytestmark = [
 PROMPTS = ["The quick brown fox", "def main():", "Hello, my name is", "import os", "class Node:", "In the beginning"]
 LENGTHS = [4, 24, 9, 16, 31, 12]
 FAMILIES = {"llama": "float32", "qwen3_moe": "float32", "deepseek_v3": "bfloat16"}
+CASES = [("llama", True), ("llama", False), ("qwen3_moe", True), ("deepseek_v3", True)]
+"""(family, eager): eager engines, and vLLM's piecewise CUDA graphs split at the AFD ops."""
 BF16_MIN_EQUAL = 0.95
 
 
-def _plain(checkpoint: Path, dtype: str) -> tuple[list[list[int]], list[list[float]]]:
+def _plain(checkpoint: Path, dtype: str, eager: bool) -> tuple[list[list[int]], list[list[float]]]:
     """Plain vLLM's greedy tokens and prompt logprobs, in-process, then the GPU freed."""
     from vllm import LLM, SamplingParams
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     try:
-        llm = LLM(str(checkpoint), dtype=dtype, enforce_eager=True, max_model_len=512,
+        llm = LLM(str(checkpoint), dtype=dtype, enforce_eager=eager, max_model_len=512,
                   kv_cache_memory_bytes=1 << 28, gpu_memory_utilization=0.3)
         tokens, logprobs = [], []
         for prompt, length in zip(PROMPTS, LENGTHS, strict=True):
@@ -82,8 +86,8 @@ def serve_url() -> str:
     ray.shutdown()
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_afd_on_one_gpu_equals_plain_vllm(serve_url: str, family: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("family", "eager"), CASES, ids=[f"{f}-{'eager' if e else 'graphs'}" for f, e in CASES])
+def test_afd_on_one_gpu_equals_plain_vllm(serve_url: str, family: str, eager: bool, tmp_path: Path) -> None:
     import httpx
     from ray import serve
 
@@ -92,16 +96,16 @@ def test_afd_on_one_gpu_equals_plain_vllm(serve_url: str, family: str, tmp_path:
 
     dtype = FAMILIES[family]
     checkpoint = Path(build_tiny(family, tmp_path / family))
-    expected, expected_logprobs = _plain(checkpoint, dtype)
+    expected, expected_logprobs = _plain(checkpoint, dtype, eager)
     args = {
         "platform": "cuda",
         "model": {"source": str(checkpoint), "served_name": "tiny", "dtype": dtype, "max_model_len": 512},
         "attention": {"kv_cache_gib": 0.25, "max_num_seqs": 8, "bundle_resources": 0.5,
-                      "gpu_memory_utilization": 0.3, "enforce_eager": True},
+                      "gpu_memory_utilization": 0.3, "enforce_eager": eager},
         "ffn": {"bundle_resources": 0.5},
         "connector": {"transport": "cuda_ipc"},
     }
-    name = f"gpu-{family}"
+    name = f"gpu-{family}-{'eager' if eager else 'graphs'}"
     start = time.perf_counter()
     serve.run(build_app(args), name=name, route_prefix=f"/{name}")
     started_s = time.perf_counter() - start
@@ -125,7 +129,7 @@ def test_afd_on_one_gpu_equals_plain_vllm(serve_url: str, family: str, tmp_path:
     diffs = [abs(a - b) for g, e in zip(got_logprobs, expected_logprobs, strict=True) if len(g) == len(e)
              for a, b in zip(g, e, strict=True)]
     record = {
-        "family": family, "dtype": dtype, "equal_positions": equal, "positions": positions,
+        "family": family, "eager": eager, "dtype": dtype, "equal_positions": equal, "positions": positions,
         "all_equal": got == expected, "prompt_logprob_max_abs_diff": max(diffs) if diffs else None,
         "app_start_s": started_s, "gpu": torch.cuda.get_device_name(0),
     }
