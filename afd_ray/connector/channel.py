@@ -69,6 +69,7 @@ import zmq
 from afd_ray.connector.header import HeaderKind, StepHeader
 from afd_ray.connector.link import PeerLostError, Pending, Transport, check_transport, contiguous
 from afd_ray.connector.process_group import new_process_group
+from afd_ray.connector.cuda_ipc import CudaIpcPair, open_cuda_ipc_pair
 from afd_ray.connector.shm import ShmPair, open_shm_pair
 
 __all__ = ["AttentionChannel", "FFNAddress", "FFNChannel"]
@@ -154,7 +155,7 @@ class _GroupPair:
 
 def _open_pair(
     transport: str, store: dist.Store, side: Side, peer: int, timeout_s: float, ubatches: int
-) -> ShmPair | _GroupPair:
+) -> ShmPair | CudaIpcPair | _GroupPair:
     """One side of a pair's data plane; blocks until the other side opened its own.
 
     Raises:
@@ -165,6 +166,11 @@ def _open_pair(
         raise ValueError(f"ubatch_groups must be >= 1, got {ubatches}")
     if transport == "shm":
         return open_shm_pair(side, store, peer, ubatches, timeout_s)
+    if transport == "cuda_ipc":
+        try:
+            return open_cuda_ipc_pair(side, store, peer, ubatches, timeout_s)
+        except RuntimeError as exc:  # DistStoreError included
+            raise PeerLostError(peer, f"cuda_ipc rendezvous failed ({exc})") from exc
     if transport not in ("gloo", "nccl", "hccl"):
         raise ValueError(f"connector.transport: {transport!r} is not implemented")
     rank = 1 if side == "attention" else 0

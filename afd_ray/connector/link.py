@@ -52,8 +52,10 @@ Transports (`Transport`), picked per pair by `select_transport`:
   socket wake-up (`afd_ray.connector.shm`).
 - `gloo`: CPU tensors across hosts (a TCP pair process group).
 - `nccl` / `hccl`: CUDA / Ascend tensors across hosts.
-- `cuda_ipc`: GPUs of one node (reserved in the contract; not implemented yet, so
-  `auto` does not pick it).
+- `cuda_ipc`: GPUs of one node, two processes on one GPU included: symmetric-memory
+  slots written through CUDA IPC mappings and device-side flags
+  (`afd_ray.connector.cuda_ipc`); every call is queued on the current CUDA stream,
+  `Pending.wait()` has nothing left to do, and a step can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ Transport = Literal["shm", "gloo", "nccl", "hccl", "cuda_ipc"]
 TransportChoice = Literal["auto", "shm", "gloo", "nccl", "hccl", "cuda_ipc"]
 """`ConnectorConfig.transport`: a transport, or `auto` (picked per pair)."""
 
-_SAME_NODE: dict[str, Transport] = {"gloo": "shm", "nccl": "nccl", "hccl": "hccl"}
+_SAME_NODE: dict[str, Transport] = {"gloo": "shm", "nccl": "cuda_ipc", "hccl": "hccl"}
 """Transport `auto` picks for a pair on one Ray node, by collective backend."""
 _ALLOWED: dict[str, frozenset[str]] = {
     "gloo": frozenset({"shm", "gloo"}),

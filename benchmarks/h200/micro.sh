@@ -8,12 +8,13 @@
 #   mps           start the NVIDIA MPS daemon; later parts run under it (stopped at exit)
 #   cuda_ipc      the serving path's cuda_ipc pair, two processes on one GPU
 #   nvlink        the typed NVLink pair, two processes on one GPU
-#   gpu_tests     tests/gpu (the 1-GPU Serve equality test included)
+#   e2e           tests/gpu/test_serve_one_gpu.py: AFD 1A:1F through Serve on one GPU vs plain vLLM
+#   gpu_tests     the other tests in tests/gpu
 #   moe_layer     one MoE layer vs its weight-read floor, with the Triton tile sweep
 # Each part is bounded by `timeout` and runs even if an earlier one failed; the exit
 # status is the number of failed parts.
 out=${1:?result folder}; shift
-parts=${*:-compat nvlink_no_mps mps cuda_ipc nvlink gpu_tests moe_layer}
+parts=${*:-compat nvlink_no_mps mps cuda_ipc nvlink e2e gpu_tests moe_layer}
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 failed=0
@@ -43,7 +44,9 @@ print('vllm', vllm.__version__, 'errors', c.VLLM_REQUEST_ERRORS, c.ErrorResponse
     cuda_ipc) run cuda_ipc 150 python3 -m afd_ray.bench.cuda_ipc --out "$out/cuda_ipc.json" ;;
     nvlink) run nvlink 150 python3 -m afd_ray.bench.decode_nvlink --one-gpu --tokens 1 16 128 \
         --iters 20 --timeout-s 120 --out "$out/nvlink.json" ;;
-    gpu_tests) run gpu_tests 420 python3 -m pytest tests/gpu --confcutdir=tests/gpu -rs -q -s -p no:cacheprovider ;;
+    e2e) run e2e 480 python3 -m pytest tests/gpu/test_serve_one_gpu.py --confcutdir=tests/gpu -rs -q -s -p no:cacheprovider ;;
+    gpu_tests) run gpu_tests 300 python3 -m pytest tests/gpu --confcutdir=tests/gpu -rs -q -s -p no:cacheprovider \
+        --deselect tests/gpu/test_serve_one_gpu.py ;;
     moe_layer) run moe_layer 200 python3 -m afd_ray.bench.moe_layer --sweep --out "$out/moe_layer.json" ;;
     *) echo "unknown part $part"; failed=$((failed + 1)) ;;
   esac
