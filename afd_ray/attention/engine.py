@@ -67,10 +67,10 @@ def engine_args(
             GATE_ON_ATTENTION: gate_placement == "gate_on_attention",
         },
         worker_extension_cls=f"{AFDWorkerExtension.__module__}.{AFDWorkerExtension.__qualname__}",
-        compilation_config=None if attention.enforce_eager else {
+        **({} if attention.enforce_eager else {"compilation_config": {
             "cudagraph_mode": "PIECEWISE",
             "splitting_ops": piecewise_splitting_ops(list(AFD_SPLITTING_OPS)),
-        },
+        }}),
     )
 
 

@@ -139,6 +139,8 @@ def _side(rank: int, args: argparse.Namespace, port: int, queue: mp.Queue) -> No
     store.wait(["done/ffn", "done/attention"])
     pair.close()
     queue.put((side, results))
+    queue.close()
+    queue.join_thread()  # the result reaches the parent before this process ends
     sys.stdout.flush()
     os._exit(0)
 

@@ -107,9 +107,9 @@ def test_afd_on_one_gpu_equals_plain_vllm(serve_url: str, family: str, eager: bo
     }
     name = f"gpu-{family}-{'eager' if eager else 'graphs'}"
     start = time.perf_counter()
-    serve.run(build_app(args), name=name, route_prefix=f"/{name}")
-    started_s = time.perf_counter() - start
     try:
+        serve.run(build_app(args), name=name, route_prefix=f"/{name}")
+        started_s = time.perf_counter() - start
         with httpx.Client(base_url=serve_url, timeout=300) as http:
             got, got_logprobs = [], []
             for prompt, length in zip(PROMPTS, LENGTHS, strict=True):
