@@ -46,7 +46,6 @@ __all__ = [
     "ErrorResponse",
     "ModelList",
     "allow_symm_mem_shared_device",
-    "piecewise_splitting_ops",
     "apply_vllm_workarounds",
     "clean_loc_for_param",
     "create_error_response",
@@ -182,21 +181,6 @@ def warmup_renderer(renderer: OnlineRenderer) -> None:
     warmup = getattr(renderer, "warmup", None)
     if warmup is not None:
         warmup()
-
-
-def piecewise_splitting_ops(extra: list[str]) -> list[str]:
-    """vLLM's default splitting ops (attention and KV-cache update ops) plus `extra`.
-
-    Passing `splitting_ops` to vLLM replaces its defaults, which live in the private
-    `CompilationConfig._attention_ops` (vLLM 0.26 and 0.32 alike) plus the two KV-cache
-    update ops that `set_splitting_ops_for_v1` appends; this rebuilds that list.
-    Remove when: vLLM takes additional splitting ops without replacing its own.
-    """
-    from vllm.config import CompilationConfig
-
-    defaults = list(CompilationConfig._attention_ops)
-    defaults += ["vllm::unified_kv_cache_update", "vllm::unified_mla_kv_cache_update"]
-    return defaults + [op for op in extra if op not in defaults]
 
 
 def allow_symm_mem_shared_device() -> None:

@@ -14,16 +14,12 @@ from vllm.engine.arg_utils import AsyncEngineArgs
 
 from afd_ray.attention.plugin import afd_architecture
 from afd_ray.attention.worker import AFDWorkerExtension
-from afd_ray.compat import piecewise_splitting_ops
 from afd_ray.attention.models.base import GATE_ON_ATTENTION
 from afd_ray.config import AttentionPoolConfig, GatePlacement, ModelConfig
 
 __all__ = ["engine_args", "engine_env"]
 
 GIB = 1 << 30
-AFD_SPLITTING_OPS = ("afd_ray::remote_ffn", "afd_ray::remote_moe")
-"""The AFD boundary ops (`afd_ray.attention.ffn_op`): vLLM's piecewise CUDA graphs
-split at them."""
 
 
 def engine_args(
@@ -41,12 +37,6 @@ def engine_args(
 
     Raises:
         ValueError: the checkpoint's architecture has no AFD class (names `model.source`).
-
-    CUDA graphs (`attention.enforce_eager: false`): vLLM's piecewise capture with the
-    AFD boundary ops (`afd_ray::remote_ffn`, `afd_ray::remote_moe`) as splitting ops, so
-    the A2F/F2A exchange and its step header run eagerly between captured pieces
-    (`cudagraph_mode: PIECEWISE`; a full-graph capture would replay the exchange
-    without its host-side step header).
 
     The KV-cache budget goes through `kv_cache_memory_bytes`, which every vLLM
     platform honours; on CPU it is what `VLLM_CPU_KVCACHE_SPACE` would set, without
@@ -67,10 +57,6 @@ def engine_args(
             GATE_ON_ATTENTION: gate_placement == "gate_on_attention",
         },
         worker_extension_cls=f"{AFDWorkerExtension.__module__}.{AFDWorkerExtension.__qualname__}",
-        **({} if attention.enforce_eager else {"compilation_config": {
-            "cudagraph_mode": "PIECEWISE",
-            "splitting_ops": piecewise_splitting_ops(list(AFD_SPLITTING_OPS)),
-        }}),
     )
 
 

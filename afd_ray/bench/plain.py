@@ -21,8 +21,6 @@ import os
 from ray import serve
 from ray.serve import Application
 
-from vllm.config import CompilationConfig
-
 from afd_ray.attention.engine import engine_args, engine_env
 from afd_ray.attention.server import AttentionServer
 from afd_ray.config import AFDConfig, AttentionPoolConfig, ModelConfig
@@ -55,8 +53,7 @@ class PlainServer(AttentionServer):
         os.environ.update(engine_env(attention))
         checkpoint = resolve_checkpoint(model)
         args = dataclasses.replace(
-            engine_args(model, attention, checkpoint, "gate_on_ffn"), hf_overrides={}, worker_extension_cls="",
-            compilation_config=CompilationConfig(),  # vLLM's own graph modes, not AFD's piecewise split
+            engine_args(model, attention, checkpoint, "gate_on_ffn"), hf_overrides={}, worker_extension_cls=""
         )
         self._start(args, model.name, checkpoint)
 

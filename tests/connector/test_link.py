@@ -37,6 +37,7 @@ def test_auto_picks_shm_on_one_node_and_the_backend_across_nodes() -> None:
     assert select_transport("auto", "gloo", same_node=True) == "shm"
     assert select_transport("auto", "gloo", same_node=False) == "gloo"
     assert select_transport("auto", "nccl", same_node=False) == "nccl"
+    assert select_transport("auto", "nccl", same_node=True) == "cuda_ipc"  # GPUs of one node, one GPU included
     assert select_transport("gloo", "gloo", same_node=True) == "gloo"  # the config overrides auto
     with pytest.raises(ValueError, match="connector.transport: 'shm' cannot carry nccl"):
         select_transport("shm", "nccl", same_node=True)
