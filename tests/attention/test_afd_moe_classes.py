@@ -27,6 +27,7 @@ from transformers import AutoModelForCausalLM
 
 from afd_ray.attention.ffn_client import ASSIGNMENT_ENV, reset_ffn_client
 from afd_ray.attention.plugin import afd_architecture
+from afd_ray.compat import attention_backend
 from afd_ray.connector.channel import FFNChannel
 from afd_ray.control.membership import AttentionAssignment
 from afd_ray.ffn.runtime import FFNRuntime
@@ -114,7 +115,8 @@ def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     with pytest.MonkeyPatch.context() as env:
         env.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         env.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-        engine_args = dict(model=str(folder), dtype="float32", enforce_eager=True, max_model_len=256)
+        engine_args = dict(model=str(folder), dtype="float32", enforce_eager=True, max_model_len=256,
+                           attention_backend=attention_backend(folder, "float32"))
         plain, plain_params = _generate(**engine_args)
 
         ffn = TransformersFFN(folder)

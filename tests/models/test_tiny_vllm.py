@@ -22,6 +22,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from afd_ray.compat import attention_backend
 from afd_ray.models import FAMILIES, Family
 
 PROMPTS = ("The quick brown fox", "def main():", "Hello, my name is", "import os")
@@ -52,7 +53,8 @@ def vllm_run(request: pytest.FixtureRequest, tiny_dir: Callable[..., Path]) -> I
         from vllm import LLM, SamplingParams
         from vllm.distributed import cleanup_dist_env_and_memory
 
-        llm = LLM(model=str(folder), dtype="float32", enforce_eager=True, max_model_len=256)
+        llm = LLM(model=str(folder), dtype="float32", enforce_eager=True, max_model_len=256,
+                  attention_backend=attention_backend(folder, "float32"))
         params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
         outputs = llm.generate(list(PROMPTS), params, use_tqdm=False)
         yield GreedyRun(

@@ -22,6 +22,7 @@ import httpx
 import pytest
 from ray import serve
 
+from afd_ray.compat import attention_backend
 from afd_ray.models.tiny import build_tiny
 from afd_ray.serve.app import build_app
 
@@ -44,7 +45,7 @@ def _plain_vllm_tokens(checkpoint: Path) -> list[list[int]]:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     try:
         llm = LLM(str(checkpoint), dtype="float32", enforce_eager=True, max_model_len=512,
-                  kv_cache_memory_bytes=1 << 28)
+                  kv_cache_memory_bytes=1 << 28, attention_backend=attention_backend(checkpoint, "float32"))
         tokens = []
         for prompt, length in zip(PROMPTS, LENGTHS):
             params = SamplingParams(temperature=0, max_tokens=length, ignore_eos=True)
@@ -59,13 +60,14 @@ def _plain_vllm_tokens(checkpoint: Path) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, list[list[int]]]]:
-    """Per family: the tiny checkpoint and plain vLLM's greedy tokens for `PROMPTS`."""
-    out = {}
-    for family in ("qwen3_moe", "deepseek_v3"):
-        checkpoint = Path(build_tiny(family, tmp_path_factory.mktemp(family) / family))
-        out[family] = (checkpoint, _plain_vllm_tokens(checkpoint))
-    return out
+def reference(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]]]:
+    """One family's tiny checkpoint and plain vLLM's greedy tokens for `PROMPTS`.
+
+    Parametrized indirectly by family, so each family has its own fixture instance:
+    a family whose reference fails to build errors only its own tests."""
+    family = request.param
+    checkpoint = Path(build_tiny(family, tmp_path_factory.mktemp(family) / family))
+    return checkpoint, _plain_vllm_tokens(checkpoint)
 
 
 @pytest.fixture(scope="module")
@@ -100,12 +102,17 @@ MATRIX = [
 
 
 @pytest.mark.parametrize(
-    ("family", "attention", "ffn", "gate"), MATRIX, ids=[f"{f}-{a}A{n}F-{g}" for f, a, n, g in MATRIX]
+    ("reference", "attention", "ffn", "gate"),
+    MATRIX,
+    ids=[f"{f}-{a}A{n}F-{g}" for f, a, n, g in MATRIX],
+    indirect=["reference"],
 )
 def test_greedy_tokens_equal_plain_vllm_across_topologies(
-    http: httpx.Client, checkpoints: dict, family: str, attention: int, ffn: int, gate: str
+    http: httpx.Client, reference: tuple[Path, list[list[int]]], request: pytest.FixtureRequest,
+    attention: int, ffn: int, gate: str,
 ) -> None:
-    checkpoint, expected = checkpoints[family]
+    checkpoint, expected = reference
+    family = request.node.callspec.params["reference"]
     name = f"{family}-{attention}a{ffn}f-{gate.replace('_', '-')}"
     serve.run(build_app(_args(checkpoint, attention, ffn, gate)), name=name, route_prefix=f"/{name}")
     try:
