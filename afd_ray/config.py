@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from afd_ray.connector.link import TransportChoice, check_transport
 from afd_ray.platform import collective_backend
@@ -27,6 +27,7 @@ __all__ = [
     "IngressConfig",
     "ModelConfig",
     "Platform",
+    "PoolPlacement",
 ]
 
 Platform = Literal["cpu", "cuda", "npu"]
@@ -77,6 +78,33 @@ class ModelConfig(_Section):
         return self.served_name or self.source
 
 
+_RESERVED_RESOURCES = frozenset({"CPU", "GPU", "NPU", "memory", "object_store_memory"})
+
+
+class PoolPlacement(_Section):
+    """Which Ray nodes a pool's members may run on; carried into each member's
+    placement-group bundle, so Ray places (and re-places) them there."""
+
+    resources: dict[str, float] = {}
+    """Custom Ray resources each member's bundle claims besides its CPU/GPU/NPU
+    share, e.g. `{"ffn_node": 1}` with the FFN nodes started as
+    `ray start --resources '{"ffn_node": 8}'`."""
+
+    node_labels: dict[str, str] = {}
+    """Ray node labels a member's node must carry (`ray start --labels`), e.g.
+    `{"afd-pool": "ffn"}`; Ray's bundle label selector."""
+
+    @field_validator("resources")
+    @classmethod
+    def _custom_only(cls, resources: dict[str, float]) -> dict[str, float]:
+        for name, amount in resources.items():
+            if name in _RESERVED_RESOURCES:
+                raise ValueError(f"{name!r} is set by bundle_resources and the platform, not here")
+            if not amount > 0:
+                raise ValueError(f"{name!r}: amount must be > 0, got {amount}")
+        return resources
+
+
 class AttentionPoolConfig(_Section):
     """The attention pool: vLLM engines that own requests and the KV cache."""
 
@@ -116,6 +144,9 @@ class AttentionPoolConfig(_Section):
     num_threads: int = Field(1, ge=1)
     """Torch/OpenMP threads of the engine worker process."""
 
+    placement: PoolPlacement = PoolPlacement()
+    """Ray nodes the attention ranks may run on (default: any)."""
+
 
 class FFNPoolConfig(_Section):
     """The FFN pool: stateless expert/MLP workers, no KV cache, no user requests."""
@@ -139,6 +170,9 @@ class FFNPoolConfig(_Section):
 
     num_threads: int = Field(1, ge=1)
     """Torch intra-op threads of the FFN worker."""
+
+    placement: PoolPlacement = PoolPlacement()
+    """Ray nodes the FFN ranks may run on (default: any)."""
 
     ep_idle_check_us: int = Field(2000, ge=100)
     """With several FFN ranks (EP), how often an idle rank checks in with its EP

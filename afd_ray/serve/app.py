@@ -7,7 +7,7 @@ from ray.serve import Application
 
 from afd_ray.attention.server import AttentionServer
 from afd_ray.autoscale.policy import AutoscalePolicy, load_policy
-from afd_ray.config import AFDConfig
+from afd_ray.config import AFDConfig, Platform, PoolPlacement
 from afd_ray.control.coordinator import (
     ATTENTION_DEPLOYMENT,
     FFN_DEPLOYMENT,
@@ -30,8 +30,10 @@ def build_app(args: dict[str, object]) -> Application:
     """Validate the YAML `args` into an `AFDConfig` and bind the application.
 
     Each pool member (an `AttentionServer` or `FFNServer` replica) runs in its own
-    placement group of one bundle, `{CPU|GPU|NPU: <pool>.bundle_resources}`, so a
-    pool grows or shrinks one member at a time. An attention rank takes at most
+    placement group of one bundle, `{CPU|GPU|NPU: <pool>.bundle_resources}` plus the
+    pool's `placement.resources` (and its `placement.node_labels` as the bundle's
+    label selector), so a pool grows or shrinks one member at a time, on the nodes
+    its placement allows. An attention rank takes at most
     `attention.max_num_seqs` requests at a time; further requests wait in Serve's
     queue. The coordinator and the ingress hold no device (`num_cpus=0`).
 
@@ -49,7 +51,6 @@ def build_app(args: dict[str, object]) -> Application:
     """
     cfg = AFDConfig.model_validate(args)
     policy = _load_policy(cfg.autoscale.policy) if cfg.autoscale.policy else None
-    key = resource_key(cfg.platform)
     coordinator = serve.deployment(Coordinator).options(
         name="coordinator",
         num_replicas=1,
@@ -64,18 +65,14 @@ def build_app(args: dict[str, object]) -> Application:
         name=FFN_DEPLOYMENT,
         num_replicas=cfg.ffn.num_ranks,
         graceful_shutdown_timeout_s=cfg.autoscale.resize_timeout_s,
-        ray_actor_options=dict(actor_resources(cfg.platform, cfg.ffn.bundle_resources)),
-        placement_group_bundles=[{key: cfg.ffn.bundle_resources}],
-        placement_group_strategy="STRICT_PACK",
+        **_member_placement(cfg.platform, cfg.ffn.bundle_resources, cfg.ffn.placement),
     ).bind(cfg.platform, cfg.model, cfg.ffn, cfg.connector, cfg.gate_placement, coordinator)
     attention = serve.deployment(AttentionServer).options(
         name=ATTENTION_DEPLOYMENT,
         num_replicas=cfg.attention.num_ranks,
         graceful_shutdown_timeout_s=cfg.autoscale.drain_timeout_s + _TEARDOWN_S,
         max_ongoing_requests=cfg.attention.max_num_seqs,
-        ray_actor_options=dict(actor_resources(cfg.platform, cfg.attention.bundle_resources)),
-        placement_group_bundles=[{key: cfg.attention.bundle_resources}],
-        placement_group_strategy="STRICT_PACK",
+        **_member_placement(cfg.platform, cfg.attention.bundle_resources, cfg.attention.placement),
     ).bind(cfg.model, cfg.attention, cfg.connector, cfg.gate_placement, coordinator, cfg.autoscale)
     ingress = serve.deployment(Ingress).options(
         name="ingress",
@@ -83,6 +80,23 @@ def build_app(args: dict[str, object]) -> Application:
         ray_actor_options={"num_cpus": 0},
     )
     return ingress.bind(attention, coordinator, ffn, cfg.attention, cfg.ffn)
+
+
+def _member_placement(platform: Platform, amount: float, placement: PoolPlacement) -> dict[str, object]:
+    """Serve options that put each replica of a pool in its own one-bundle placement
+    group: `amount` of the platform's resource plus `placement`'s custom resources,
+    on nodes carrying `placement.node_labels`; the actor claims that whole bundle."""
+    actor = dict(actor_resources(platform, amount))
+    if placement.resources:
+        actor["resources"] = {**actor.get("resources", {}), **placement.resources}
+    options: dict[str, object] = {
+        "ray_actor_options": actor,
+        "placement_group_bundles": [{resource_key(platform): amount, **placement.resources}],
+        "placement_group_strategy": "STRICT_PACK",
+    }
+    if placement.node_labels:
+        options["placement_group_bundle_label_selector"] = [dict(placement.node_labels)]
+    return options
 
 
 def _load_policy(path: str) -> AutoscalePolicy:
