@@ -30,9 +30,13 @@ models: install
 	$(VENV)/bin/afd-ray models prepare smollm2
 	$(VENV)/bin/afd-ray models prepare smollm2-moe
 
+# `serve run --address local` always starts its own local Ray cluster (never a stale
+# address recorded by an earlier `ray start`), with its dashboard and Jobs API on
+# 127.0.0.1:8265; the venv's bin comes first on PATH, so a Ray job's `python ...`
+# entrypoint runs the project's Python.
 serve: install
 	$(VENV)/bin/afd-ray models prepare smollm2
-	$(VENV)/bin/serve run deployments/afd.yaml
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/serve run --address local deployments/afd.yaml
 
 test: models
 	$(PY) -m pytest tests

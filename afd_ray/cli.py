@@ -3,8 +3,10 @@
     afd-ray models prepare {smollm2,smollm2-moe} [--cache DIR]  # prints the checkpoint folder
     afd-ray models tiny FAMILY OUT_DIR [--seed N]      # prints OUT_DIR
     afd-ray scale --attention A --ffn F [--url URL]    # resize a running deployment
-    afd-ray autoscale simulate --policy P.yaml (--trace T.jsonl | --ramp) [--plot OUT.png]
+    afd-ray autoscale simulate --policy P.yaml (--trace T.jsonl | --ramp) [--out S.json] [--plot OUT.png]
     afd-ray autoscale record --url URL --out T.jsonl [--interval-s S] [--duration-s S]
+    afd-ray profile (--model SRC | --tiny FAMILY) --out P.json  # colocated step split
+    afd-ray plan --profile P.json --slo-tpot-ms MS --devices N  # which A:F ratio to run
 
 Each command group is one `_add_<group>(subparsers)` function that registers its
 subcommands, each with a `handler(args)`; add a group (e.g. `scale`, `autoscale
@@ -15,11 +17,13 @@ import torch, transformers and vLLM themselves, so `--help` stays fast.
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from afd_ray.config import EMBEDDED_MODELS
 from afd_ray.models import FAMILIES
+from afd_ray.plan.cli import add_plan, add_profile
 
 __all__ = ["build_parser", "main"]
 
@@ -95,8 +99,13 @@ def _autoscale_simulate(args: argparse.Namespace) -> None:
     print(
         f"{len(steps)} evaluations, {len(changes(steps))} changes; final A={last.attention_target} F={last.ffn_target}"
     )
-    plot(steps, args.plot, title)
-    print(args.plot)
+    if args.out is not None:
+        rows = [{"snapshot": step.snapshot.model_dump(mode="json"), "decision": step.decision.model_dump(mode="json")} for step in steps]
+        args.out.write_text(json.dumps(rows) + "\n")
+        print(args.out)
+    png = args.plot or (args.out.with_suffix(".png") if args.out is not None else Path("autoscale.png"))
+    plot(steps, png, title)
+    print(png)
 
 
 def _autoscale_record(args: argparse.Namespace) -> None:
@@ -148,10 +157,14 @@ def _add_autoscale(subparsers: argparse._SubParsersAction) -> None:
         "--duration-s", type=_positive_s, default=900.0, help="ramp length, s (default: 900)"
     )
     simulate.add_argument(
+        "--out",
+        type=Path,
+        help="JSON to write: every evaluation's snapshot and decision (the PNG then goes next to it)",
+    )
+    simulate.add_argument(
         "--plot",
         type=Path,
-        default=Path("autoscale.png"),
-        help="PNG to write (default: autoscale.png)",
+        help="PNG to write (default: next to --out, else autoscale.png)",
     )
     simulate.add_argument(
         "--all",
@@ -221,6 +234,8 @@ _GROUPS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     _add_models,
     _add_scale,
     _add_autoscale,
+    add_profile,
+    add_plan,
 )
 
 

@@ -39,11 +39,13 @@ __all__ = [
     "FFNPoolPolicy",
     "FFNSignals",
     "MetricsSnapshot",
+    "PolicyError",
     "PoolState",
     "ScaleState",
     "Thresholds",
     "decide",
     "load_policy",
+    "parse_policy",
     "signal_values",
 ]
 
@@ -382,14 +384,35 @@ def load_policy(path: str | Path) -> AutoscalePolicy:
         OSError: the file cannot be read.
     """
     path = Path(path)
+    return parse_policy(path.read_text(), str(path))
+
+
+class PolicyError(ValueError):
+    """A policy document that is not YAML or does not fit `AutoscalePolicy`."""
+
+    def __init__(self, message: str, fields: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.fields = fields
+        """Dotted paths of the bad fields (e.g. `attention.min_ranks`); empty when the
+        text is not YAML."""
+
+
+def parse_policy(text: str, source: str = "policy") -> AutoscalePolicy:
+    """Validate a policy given as YAML (or JSON) text, e.g. the body of `POST
+    /afd/autoscale/policy`.
+
+    Raises:
+        PolicyError: as `load_policy`'s `ValueError`, the message starting with `source`.
+    """
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise ValueError(f"{path}: not valid YAML: {e}") from e
+        raise PolicyError(f"{source}: not valid YAML: {e}") from e
     try:
         return AutoscalePolicy.model_validate(data)
     except ValidationError as e:
+        fields = tuple(_field(err["loc"]) for err in e.errors())
         problems = "; ".join(
-            f"{_field(err['loc'])}: {err['msg'].removeprefix('Value error, ')}" for err in e.errors()
+            f"{field}: {err['msg'].removeprefix('Value error, ')}" for field, err in zip(fields, e.errors(), strict=True)
         )
-        raise ValueError(f"{path}: {problems}") from e
+        raise PolicyError(f"{source}: {problems}", fields) from e

@@ -3,6 +3,7 @@ a synthetic ramp or a recorded trace."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -102,3 +103,11 @@ def test_record_from_an_unreachable_url_is_one_line(tmp_path: Path, capsys: pyte
               "--duration-s", "1"])  # fmt: skip
     assert exit_.value.code == 1
     assert capsys.readouterr().err.startswith("afd-ray: error: http://127.0.0.1:1:")
+
+
+def test_simulate_writes_its_json_and_the_png_next_to_it(tmp_path: Path) -> None:
+    out = tmp_path / "ramp.json"
+    assert main(["autoscale", "simulate", "--policy", str(POLICY), "--ramp", "--duration-s", "300", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert rows and {"snapshot", "decision"} <= set(rows[0])
+    assert out.with_suffix(".png").stat().st_size > 0

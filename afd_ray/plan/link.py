@@ -1,0 +1,96 @@
+"""Link latency and bandwidth of the A2F/F2A connector, measured on this machine.
+
+`measure_link` opens one attention↔FFN pair of the connector that serves
+(`afd_ray.connector.channel`: ZeroMQ step header, then per layer an A2F `[T, H]` and
+an F2A `[T, H]` on the pair's process group) between this process and a spawned echo
+process, times layer round trips for several token counts T, and fits
+
+    round_trip(T) = 2 × latency + 2 × T × H × bytes_per_elem / bandwidth
+
+by least squares (one message each way per layer). On CPU the backend is gloo over
+loopback TCP.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import statistics
+import time
+from collections.abc import Sequence
+
+import torch
+
+from afd_ray.connector.channel import AttentionChannel, FFNChannel
+from afd_ray.plan.schema import Link
+
+__all__ = ["fit_link", "measure_link"]
+
+_TIMEOUT_S = 60.0
+
+
+def _echo(queue: mp.Queue, backend: str, hidden: int, dtype: torch.dtype, rounds: int, sizes: Sequence[int]) -> None:
+    channel = FFNChannel("127.0.0.1", backend, _TIMEOUT_S)
+    queue.put(channel.address)
+    try:
+        header = channel.recv_header(_TIMEOUT_S)
+        channel.admit(header.peer)
+        for tokens in sizes:
+            buffer = torch.empty(tokens, hidden, dtype=dtype)
+            for _ in range(rounds):
+                channel.recv_a2f(header.peer, buffer)
+                channel.send_f2a(header.peer, buffer)
+    finally:
+        channel.close()
+
+
+def fit_link(tokens: Sequence[int], round_trip_s: Sequence[float], row_bytes: int, source: str) -> Link:
+    """Least-squares fit of `round_trip = 2 × latency + 2 × tokens × row_bytes / bandwidth`.
+
+    Args:
+        tokens: token counts T (at least two distinct).
+        round_trip_s: median layer round trip at each T, seconds.
+        row_bytes: `H × bytes_per_elem`, bytes per token row.
+
+    Raises:
+        ValueError: fewer than two distinct token counts.
+    """
+    if len(set(tokens)) < 2:
+        raise ValueError(f"tokens: need two distinct token counts to fit a link, got {list(tokens)}")
+    slope, intercept = statistics.linear_regression([2 * t * row_bytes for t in tokens], round_trip_s)
+    return Link(
+        latency_us=max(intercept, 0.0) / 2 * 1e6,
+        bandwidth_gbps=1 / max(slope, 1e-15) / 1e9,
+        source=source,
+    )
+
+
+def measure_link(
+    hidden: int, dtype: torch.dtype, backend: str = "gloo", sizes: Sequence[int] = (1, 64, 512, 4096), rounds: int = 50
+) -> Link:
+    """Measure the connector's layer round trip for each `sizes` token count and fit a
+    `Link` (latency per message, bandwidth). Takes about a second on CPU.
+
+    Raises:
+        RuntimeError / DistStoreError: the echo process did not rendezvous within 60 s.
+    """
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    echo = context.Process(target=_echo, args=(queue, backend, hidden, dtype, rounds, tuple(sizes)), daemon=True)
+    echo.start()
+    channel = AttentionChannel(queue.get(timeout=_TIMEOUT_S), 0, 0, backend, _TIMEOUT_S)
+    medians = []
+    try:
+        for tokens in sizes:
+            hidden_states = torch.randn(tokens, hidden).to(dtype)
+            out = torch.empty_like(hidden_states)
+            times = []
+            for _ in range(rounds):
+                start = time.perf_counter()
+                channel.exchange(hidden_states, out=out)
+                times.append(time.perf_counter() - start)
+            medians.append(statistics.median(times[rounds // 5 :]))
+    finally:
+        channel.close()
+        echo.join(_TIMEOUT_S)
+    row_bytes = hidden * dtype.itemsize
+    return fit_link(sizes, medians, row_bytes, f"afd_ray.connector pair over {backend}, loopback, H={hidden}")

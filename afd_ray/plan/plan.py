@@ -1,0 +1,84 @@
+"""`afd-ray plan`: which A:F ratio and batch per attention rank to run.
+
+Enumerates every layout with A + F ≤ `devices` (A, F ≥ 1), every batch per attention
+rank in `batches`, DBO off and on, predicts each with `afd_ray.plan.model`
+(formulas and sources there: DESIGN §1's traffic, Step-3 arXiv 2507.19427 and
+MegaScale-Infer arXiv 2504.02263 for the ping-pong overlap), keeps those whose TPOT
+meets the SLO, and ranks them by cost per 1M output tokens (equivalently, tokens/s
+per device), then by SLO-goodput. The first is the recommendation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from afd_ray.plan.model import Estimate, Layout, PerformanceModel
+
+__all__ = ["DEFAULT_BATCHES", "format_plan", "rank_layouts"]
+
+DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+def rank_layouts(
+    model: PerformanceModel,
+    devices: int,
+    slo_tpot_ms: float,
+    context: float,
+    output_tokens: int,
+    price_per_device_hour: float,
+    batches: Sequence[int] = DEFAULT_BATCHES,
+) -> list[Estimate]:
+    """Every candidate, best first: SLO-meeting ones by cost per 1M tokens, then
+    goodput; the rest after them by TPOT.
+
+    Raises:
+        ValueError: `devices` < 2 (AFD needs an attention and an FFN rank) or
+            `slo_tpot_ms` <= 0; names the field.
+    """
+    if devices < 2:
+        raise ValueError(f"devices: {devices} < 2; AFD needs at least one attention and one FFN rank")
+    if not slo_tpot_ms > 0:
+        raise ValueError(f"slo_tpot_ms: must be > 0, got {slo_tpot_ms}")
+    estimates = [
+        model.estimate(Layout(a, f, b, dbo), context, slo_tpot_ms, output_tokens, price_per_device_hour)
+        for a in range(1, devices)
+        for f in range(1, devices - a + 1)
+        for b in batches
+        for dbo in (False, True)
+        if not dbo or b >= 2
+    ]
+    return sorted(
+        estimates,
+        key=lambda e: (not e.meets_slo, e.cost_per_1m_tokens if e.meets_slo else e.tpot_ms, -e.goodput_rps),
+    )
+
+
+def format_plan(ranked: Sequence[Estimate], slo_tpot_ms: float, top: int) -> str:
+    """The recommendation and the `top` alternatives as a table."""
+    lines = []
+    best = ranked[0]
+    if best.meets_slo:
+        layout = best.layout
+        lines.append(
+            f"recommended: {layout.label} (A:F = {layout.attention}:{layout.ffn}), batch {layout.batch} per "
+            f"attention rank, DBO {'on' if layout.dbo else 'off'}: TPOT {best.tpot_ms:.1f} ms, "
+            f"{best.tokens_per_s:.0f} tok/s, SLO-goodput {best.goodput_rps:.2f} req/s, "
+            f"cost {best.cost_per_1m_tokens:.3f} per 1M output tokens"
+        )
+    else:
+        lines.append(f"no layout meets TPOT <= {slo_tpot_ms:g} ms; closest below")
+    header = (
+        f"{'rank':>4} {'layout':<7}{'batch':>6}{'DBO':>5}{'TPOT ms':>9}{'tok/s':>9}{'tok/s/dev':>10}"
+        f"{'goodput':>9}{'cost/1M':>10}{'attn ms':>9}{'FFN ms':>8}{'A2F+F2A':>9}"
+    )
+    lines += [header, "-" * len(header)]
+    for i, e in enumerate(ranked[:top], 1):
+        lines.append(
+            f"{i:>4} {e.layout.label:<7}{e.layout.batch:>6}{'on' if e.layout.dbo else 'off':>5}{e.tpot_ms:>9.2f}"
+            f"{e.tokens_per_s:>9.1f}{e.tokens_per_s_per_device:>10.1f}{e.goodput_rps:>9.2f}"
+            f"{e.cost_per_1m_tokens:>10.3f}{e.attention_ms:>9.2f}{e.ffn_ms:>8.2f}{e.transfer_ms:>9.2f}"
+        )
+    lines.append(
+        f"goodput: requests/s with TPOT <= {slo_tpot_ms:g} ms (TTFT not modelled); attn/FFN/A2F+F2A: ms per step"
+    )
+    return "\n".join(lines)

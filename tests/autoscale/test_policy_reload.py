@@ -1,0 +1,38 @@
+"""Policy documents as text (`parse_policy`): the bad field is named (no cluster)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from afd_ray.autoscale.policy import PolicyError, load_policy, parse_policy
+
+SHIPPED = Path(__file__).parents[2] / "deployments" / "autoscale.yaml"
+
+
+def test_the_shipped_policy_round_trips_through_text() -> None:
+    assert parse_policy(SHIPPED.read_text()) == load_policy(SHIPPED)
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        ("attention:\n  min_ranks: 3\n  max_ranks: 2\n", "attention"),
+        ("ffn:\n  scale_in_cooldown_s: -1\n", "ffn.scale_in_cooldown_s"),
+        ("attention:\n  signals:\n    kv_cache_usage: {scale_out: 0.5, scale_in: 0.9}\n", "attention.signals.kv_cache_usage"),
+        ("attention:\n  no_such_key: 1\n", "attention.no_such_key"),
+    ],
+)
+def test_bad_policy_names_the_field(text: str, field: str) -> None:
+    with pytest.raises(PolicyError, match=field) as info:
+        parse_policy(text, "body")
+    assert str(info.value).startswith("body: ")
+    assert info.value.fields[0].startswith(field)
+
+
+def test_text_that_is_not_yaml_names_no_field() -> None:
+    with pytest.raises(PolicyError, match="not valid YAML") as info:
+        parse_policy("attention: [", "body")
+    assert info.value.fields == ()
+
