@@ -7,6 +7,9 @@
     afd-ray autoscale record --url URL --out T.jsonl [--interval-s S] [--duration-s S]
     afd-ray profile (--model SRC | --tiny FAMILY) --out P.json  # colocated step split
     afd-ray plan --profile P.json --slo-tpot-ms MS --devices N  # which A:F ratio to run
+    afd-ray trace REQUEST_ID [--url URL] [--json]      # per-token breakdown across the pools
+    afd-ray dashboards export [--out dashboards/afd.json]
+    afd-ray dashboards push --url GRAFANA_URL --token-env VAR [--folder-uid UID]
 
 Each command group is one `_add_<group>(subparsers)` function that registers its
 subcommands, each with a `handler(args)`; add a group (e.g. `scale`, `autoscale
@@ -23,6 +26,7 @@ from pathlib import Path
 
 from afd_ray.config import EMBEDDED_MODELS
 from afd_ray.models import FAMILIES
+from afd_ray.observability.cli import add_dashboards, add_trace
 from afd_ray.plan.cli import add_plan, add_profile
 
 __all__ = ["build_parser", "main"]
@@ -236,6 +240,8 @@ _GROUPS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     _add_autoscale,
     add_profile,
     add_plan,
+    add_trace,
+    add_dashboards,
 )
 
 

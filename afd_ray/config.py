@@ -26,6 +26,7 @@ __all__ = [
     "GatePlacement",
     "IngressConfig",
     "ModelConfig",
+    "ObservabilityConfig",
     "Platform",
     "PoolPlacement",
 ]
@@ -232,6 +233,18 @@ class AutoscaleConfig(_Section):
     seconds; past it `POST /afd/scale` answers 504 and the resize event says why."""
 
 
+class ObservabilityConfig(_Section):
+    """Metrics and per-step timing records (`afd_ray.observability`)."""
+
+    metrics: bool = True
+    """Export the `afd_*` metrics and vLLM's engine metrics through `ray.util.metrics`
+    (Ray dashboard, Prometheus)."""
+
+    step_records: int = Field(4096, ge=0)
+    """Step timing records each rank keeps in a ring buffer, for per-token breakdowns
+    (`afd-ray trace`); 0 keeps none."""
+
+
 class AFDConfig(_Section):
     """Root of the config tree: the `args` of `deployments/afd.yaml`."""
 
@@ -251,6 +264,7 @@ class AFDConfig(_Section):
     ffn: FFNPoolConfig = FFNPoolConfig()
     connector: ConnectorConfig = ConnectorConfig()
     autoscale: AutoscaleConfig = AutoscaleConfig()
+    observability: ObservabilityConfig = ObservabilityConfig()
 
     @model_validator(mode="after")
     def _bounds(self) -> AFDConfig:

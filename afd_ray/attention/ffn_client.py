@@ -13,25 +13,53 @@ The client uses only the connector contract (`afd_ray.connector.link.AttentionLi
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 
 import torch
 
 from afd_ray.connector.channel import AttentionChannel
+from afd_ray.connector.header import StepHeader
 from afd_ray.connector.link import AttentionLink
 from afd_ray.control.membership import AttentionAssignment
+from afd_ray.observability.steps import AttentionStep, StepRing
 
-__all__ = ["ASSIGNMENT_ENV", "FFNClient", "ffn_client", "repeer_ffn_client", "reset_ffn_client"]
+__all__ = [
+    "ASSIGNMENT_ENV", "FFNClient", "ffn_client", "record_steps", "repeer_ffn_client", "reset_ffn_client",
+    "take_steps",
+]
 
 ASSIGNMENT_ENV = "AFD_RAY_ASSIGNMENT"
 
 _client: FFNClient | None = None
+
+_steps: StepRing[AttentionStep] = StepRing(4096)
+"""This process's last attention steps (timing records, `afd_ray.observability.steps`);
+they outlive a re-peering."""
+
+_batch: Callable[[], list[str]] = list
+"""The engine request ids of the batch being run (`record_steps`)."""
+
+
+def record_steps(capacity: int, request_ids: Callable[[], list[str]]) -> None:
+    """Keep the last `capacity` steps' timing records (0: record none), each naming
+    the requests `request_ids()` gives when it starts (the vLLM worker's batch)."""
+    global _steps, _batch
+    _steps, _batch = StepRing(capacity), request_ids
+
+
+def take_steps() -> list[AttentionStep]:
+    """The step records finished since the previous call, oldest first."""
+    return _steps.take_new()
 
 
 class FFNClient:
     """Sends each layer's hidden states to the FFN peer and returns its output.
 
     The model announces every forward pass with `begin_step` (the STEP header) before
-    its first FFN layer; `exchange` then runs one layer's A2F + F2A.
+    its first FFN layer; `exchange` then runs one layer's A2F + F2A. Each pass leaves
+    an `AttentionStep` in this process's step ring (`take_steps`) once the next one
+    begins: its header and the time blocked in `exchange`, summed over layers.
     """
 
     def __init__(self, assignment: AttentionAssignment) -> None:
@@ -42,10 +70,17 @@ class FFNClient:
         )
         self._step_tokens = 0
         """Rows T of the step announced last (0 before the first)."""
+        self._header: StepHeader | None = None
+        self._start_s = 0.0
+        self._requests: tuple[str, ...] = ()
+        self._exchange_s = 0.0
 
     def begin_step(self, num_tokens: int) -> None:
         """Send the STEP header of a forward pass of `num_tokens` rows."""
-        self.link.send_header(num_tokens)
+        if _steps.capacity > 0:
+            self._record()
+            self._start_s, self._requests, self._exchange_s = time.time(), tuple(_batch()), 0.0
+        self._header = self.link.send_header(num_tokens)
         self._step_tokens = num_tokens
 
     def exchange(
@@ -63,7 +98,21 @@ class FFNClient:
             raise ValueError(
                 f"layer {layer}: {hidden.shape[0]} rows in a step announced with {self._step_tokens}"
             )
-        return self.link.exchange(hidden, topk)
+        if _steps.capacity == 0:
+            return self.link.exchange(hidden, topk)
+        start = time.perf_counter()
+        out = self.link.exchange(hidden, topk)
+        self._exchange_s += time.perf_counter() - start
+        return out
+
+    def _record(self) -> None:
+        """Keep the finished step's timing record."""
+        header = self._header
+        if header is not None:
+            _steps.append(AttentionStep(
+                header.peer, header.epoch, header.step_id, self._start_s, header.num_tokens, self._exchange_s,
+                self._requests,
+            ))  # fmt: skip
 
 
 def ffn_client() -> FFNClient:
@@ -91,6 +140,7 @@ def reset_ffn_client() -> None:
     """
     global _client
     if _client is not None:
+        _client._record()
         _client.link.close()
         _client = None
 

@@ -43,6 +43,7 @@ from vllm.entrypoints.openai.models.serving import OpenAIServingModels
 from vllm.renderers.online_renderer import OnlineRenderer
 from vllm.usage.usage_lib import UsageContext
 from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
 
 from afd_ray.attention.engine import engine_args, engine_env
 from afd_ray.attention.ffn_client import ASSIGNMENT_ENV
@@ -60,11 +61,14 @@ from afd_ray.config import (
     ConnectorConfig,
     GatePlacement,
     ModelConfig,
+    ObservabilityConfig,
 )
 from afd_ray.control.membership import AttentionAssignment, MemberState
 from afd_ray.control.serve_api import app_deleting
 from afd_ray.models.embedded import resolve_checkpoint
+from afd_ray.observability.publish import AttentionPublisher
 from afd_ray.observability.recorder import AttentionRecorder
+from afd_ray.observability.steps import AttentionStep
 
 __all__ = ["AttentionServer", "ChatChunk", "CompletionChunk"]
 
@@ -106,6 +110,7 @@ class AttentionServer:
         gate_placement: GatePlacement,
         coordinator: DeploymentHandle,
         autoscale: AutoscaleConfig,
+        observability: ObservabilityConfig = ObservabilityConfig(),
     ) -> None:
         """Get an FFN peer from the coordinator, then start the engine; returns once
         it is ready to serve (and reported READY).
@@ -133,18 +138,24 @@ class AttentionServer:
         os.environ.update(engine_env(attention))
         os.environ[ASSIGNMENT_ENV] = assignment.model_dump_json()
         checkpoint = resolve_checkpoint(model)
-        self._start(engine_args(model, attention, checkpoint, gate_placement), model.name, checkpoint)
-        await self._engine.collective_rpc("afd_connect")
+        self._start(
+            engine_args(model, attention, checkpoint, gate_placement), model.name, checkpoint, observability.metrics
+        )
+        self._publisher = AttentionPublisher(self.rank) if observability.metrics else None
+        await self._engine.collective_rpc("afd_connect", args=(observability.step_records,))
         await coordinator.attention_ready.remote(self.rank)
         self._reporter = asyncio.create_task(self._report(coordinator))
         self._watcher = asyncio.create_task(self._watch())
 
-    def _start(self, args: AsyncEngineArgs, served_name: str, checkpoint: Path) -> None:
+    def _start(self, args: AsyncEngineArgs, served_name: str, checkpoint: Path, metrics: bool) -> None:
         """Start the engine from `args` and vLLM's OpenAI serving layer on it; the
-        engine's stats feed `self._recorder` (autoscaling signals)."""
+        engine's stats feed `self._recorder` (autoscaling signals) and, with
+        `metrics`, vLLM's own Ray stat logger (its `vllm:*` metrics through
+        `ray.util.metrics`, as Ray Serve LLM exports them)."""
         self._recorder = AttentionRecorder()
+        loggers = [self._recorder.factory, RayPrometheusStatLogger] if metrics else [self._recorder.factory]
         self._engine = AsyncLLM.from_engine_args(
-            args, usage_context=UsageContext.OPENAI_API_SERVER, stat_loggers=[self._recorder.factory]
+            args, usage_context=UsageContext.OPENAI_API_SERVER, stat_loggers=loggers
         )
         self._models = OpenAIServingModels(
             self._engine, [BaseModelPath(name=served_name, model_path=str(checkpoint))]
@@ -171,11 +182,16 @@ class AttentionServer:
         )
 
     async def _report(self, coordinator: DeploymentHandle) -> None:
-        """Send the coordinator this rank's autoscaling signals every `_REPORT_PERIOD_S`."""
+        """Every `_REPORT_PERIOD_S`: send the coordinator this rank's autoscaling
+        signals and the worker's new step records, and export their metrics."""
         while True:
             await asyncio.sleep(_REPORT_PERIOD_S)
+            (records,) = await self._engine.collective_rpc("afd_take_steps")
+            steps = [AttentionStep(**{**r, "requests": tuple(r["requests"])}) for r in records]
             report = self._recorder.drain(num_unfinished_requests(self._engine))
-            await coordinator.report_attention.remote(self.rank, report)
+            if self._publisher is not None:
+                self._publisher.publish(steps)
+            await coordinator.report_attention.remote(self.rank, report, steps)
 
     async def _watch(self) -> None:
         """Follow the coordinator: re-peer when it moved this rank to another FFN

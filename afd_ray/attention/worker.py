@@ -8,8 +8,15 @@ forward pass (and no A2F/F2A exchange) is in flight while the pair channel chang
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import asdict
 
-from afd_ray.attention.ffn_client import ffn_client, repeer_ffn_client, reset_ffn_client
+from afd_ray.attention.ffn_client import (
+    ffn_client,
+    record_steps,
+    repeer_ffn_client,
+    reset_ffn_client,
+    take_steps,
+)
 from afd_ray.control.membership import AttentionAssignment
 
 __all__ = ["AFDWorkerExtension"]
@@ -30,10 +37,19 @@ class AFDWorkerExtension:
             totals[key] += param.numel() * param.element_size()
         return dict(totals)
 
-    def afd_connect(self) -> None:
+    def afd_connect(self, step_records: int) -> None:
         """Open the pair channel to the FFN peer now (JOIN), not at the first forward
-        pass (vLLM's CPU engine runs none at start-up)."""
+        pass (vLLM's CPU engine runs none at start-up); keep the last `step_records`
+        steps' timing records, each naming the model runner's batch."""
+        runner = self.model_runner
+        record_steps(step_records, lambda: runner.input_batch.req_ids)
         ffn_client()
+
+    def afd_take_steps(self) -> list[dict[str, object]]:
+        """The attention steps recorded since the previous call, oldest first, each an
+        `afd_ray.observability.steps.AttentionStep` as a dict (vLLM's RPC carries
+        plain data)."""
+        return [asdict(step) for step in take_steps()]
 
     def afd_repeer(self, assignment_json: str) -> None:
         """Move the pair channel to the FFN peer of `assignment_json` (an

@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
 def format_table(result: BenchResult) -> str:
     """One line per run: throughput, latencies, FFN traffic and busy fraction."""
     header = (
-        f"{'family':<12}{'layout':<7}{'thr':>4}{'tok/s':>8}{'TTFT p50':>10}{'TPOT':>8}{'ITL p50':>9}"
+        f"{'family':<12}{'layout':<10}{'thr':>4}{'tok/s':>8}{'TTFT p50':>10}{'TPOT':>8}{'ITL p50':>9}"
         f"{'ITL p99':>9}{'tok/step':>10}{'B/step':>10}{'formula':>10}{'FFN busy':>10}"
     )
     lines = [header, "-" * len(header)]
@@ -117,7 +117,7 @@ def format_table(result: BenchResult) -> str:
         else:
             tokens = measured = formula = busy = "-"
         lines.append(
-            f"{run.family:<12}{run.label:<7}{run.threads:>4}{run.output_tokens_per_s:>8.1f}"
+            f"{run.family:<12}{run.label:<10}{run.threads:>4}{run.output_tokens_per_s:>8.1f}"
             f"{run.ttft.p50_ms:>10.1f}{run.tpot.mean_ms:>8.1f}{run.itl.p50_ms:>9.1f}{run.itl.p99_ms:>9.1f}"
             f"{tokens:>10}{measured:>10}{formula:>10}{busy:>10}"
         )

@@ -20,13 +20,15 @@ Embedded = Literal["smollm2", "smollm2-moe"]
 
 __all__ = ["BenchConfig", "Topology"]
 
-_TOPOLOGY = re.compile(r"(\d+)A(\d+)F", re.IGNORECASE)
+_TOPOLOGY = re.compile(r"(\d+)A(\d+)F(-bare)?", re.IGNORECASE)
 
 
 class Topology(BaseModel):
-    """One serving layout: `plain` (vLLM alone) or `<A>A<F>F` (AFD, EP=F).
+    """One serving layout: `plain` (vLLM alone) or `<A>A<F>F` (AFD, EP=F); with the
+    suffix `-bare`, AFD without metrics and step records (`observability.metrics` off,
+    `observability.step_records` 0), to measure their cost in the same run.
 
-    Parses from its label, so `"plain"`, `"1A1F"` and `"2a2f"` are valid inputs.
+    Parses from its label, so `"plain"`, `"1A1F"`, `"2a2f"` and `"1A1F-bare"` are valid inputs.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -35,6 +37,8 @@ class Topology(BaseModel):
     """Attention ranks (vLLM engines); 1 for plain vLLM."""
     ffn: int = Field(ge=0)
     """FFN ranks (the EP size); 0 means plain vLLM, with no FFN pool."""
+    observability: bool = True
+    """AFD with metrics and step records (the default), or without (`-bare`)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -45,13 +49,15 @@ class Topology(BaseModel):
             return {"attention": 1, "ffn": 0}
         match = _TOPOLOGY.fullmatch(data)
         if match is None or int(match[2]) == 0:
-            raise ValueError(f"topology {data!r}: expected 'plain' or '<A>A<F>F' with F >= 1 (e.g. 2A2F)")
-        return {"attention": int(match[1]), "ffn": int(match[2])}
+            raise ValueError(
+                f"topology {data!r}: expected 'plain' or '<A>A<F>F[-bare]' with F >= 1 (e.g. 2A2F, 1A1F-bare)"
+            )
+        return {"attention": int(match[1]), "ffn": int(match[2]), "observability": match[3] is None}
 
     @property
     def label(self) -> str:
         """`plain` or `<A>A<F>F`."""
-        return "plain" if self.ffn == 0 else f"{self.attention}A{self.ffn}F"
+        return "plain" if self.ffn == 0 else f"{self.attention}A{self.ffn}F" + ("" if self.observability else "-bare")
 
 
 def _default_checkpoints() -> Path:

@@ -55,7 +55,7 @@ class PlainServer(AttentionServer):
         args = dataclasses.replace(
             engine_args(model, attention, checkpoint, "gate_on_ffn"), hf_overrides={}, worker_extension_cls=""
         )
-        self._start(args, model.name, checkpoint)
+        self._start(args, model.name, checkpoint, metrics=True)
 
     async def status(self) -> AFDStatus:
         """`/afd/status` of a plain engine: no attention or FFN pool."""

@@ -30,7 +30,14 @@ from afd_ray.bench.load import LoadResult, run_load
 from afd_ray.bench.plain import build_plain_app
 from afd_ray.bench.schema import BenchResult, FFNRankResult, Latency, Machine, RunResult, TransportResult
 from afd_ray.bench.transport import run as run_transport_microbench
-from afd_ray.config import AFDConfig, AttentionPoolConfig, ConnectorConfig, FFNPoolConfig, ModelConfig
+from afd_ray.config import (
+    AFDConfig,
+    AttentionPoolConfig,
+    ConnectorConfig,
+    FFNPoolConfig,
+    ModelConfig,
+    ObservabilityConfig,
+)
 from afd_ray.control.membership import AFDStatus, FFNMember
 from afd_ray.models.embedded import prepare_smollm2, prepare_smollm2_moe
 from afd_ray.models.tiny import build_tiny
@@ -87,6 +94,9 @@ def _app_config(cfg: BenchConfig, checkpoint: Path, topology: Topology) -> AFDCo
         if topology.ffn
         else FFNPoolConfig(),
         connector=ConnectorConfig(transport=cfg.transport),
+        observability=ObservabilityConfig()
+        if topology.observability
+        else ObservabilityConfig(metrics=False, step_records=0),
     )
 
 

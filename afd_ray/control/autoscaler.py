@@ -13,6 +13,7 @@ from afd_ray.config import AttentionPoolConfig, FFNPoolConfig
 from afd_ray.control.membership import ScaleRequest
 from afd_ray.control.placement import clamp
 from afd_ray.control.resize import ATTENTION_DEPLOYMENT, FFN_DEPLOYMENT, Resizer
+from afd_ray.observability.publish import CoordinatorPublisher
 
 __all__ = ["Autoscaler"]
 
@@ -28,6 +29,7 @@ class Autoscaler:
         resizer: runs the resizes and holds the current targets.
         metrics: the current signals snapshot.
         paused: whether a manual resize paused it (until the coordinator resumes it).
+        published: exports each decision (`afd_autoscale_decisions`), or None.
     """
 
     def __init__(
@@ -39,6 +41,7 @@ class Autoscaler:
         resizer: Resizer,
         metrics: Callable[[], Awaitable[MetricsSnapshot]],
         paused: Callable[[], bool],
+        published: CoordinatorPublisher | None = None,
     ) -> None:
         self._policy = policy
         self._interval_s = interval_s
@@ -46,6 +49,7 @@ class Autoscaler:
         self._resizer = resizer
         self._metrics = metrics
         self._paused = paused
+        self._published = published
 
     async def run(self) -> None:
         """Forever: evaluate the policy and resize to its targets."""
@@ -57,6 +61,9 @@ class Autoscaler:
                 continue
             state = state.follow(targets[ATTENTION_DEPLOYMENT], targets[FFN_DEPLOYMENT], time.time())
             decision = decide(await self._metrics(), state, self._policy)
+            if self._published is not None:
+                self._published.decision(ATTENTION_DEPLOYMENT, state.attention.target, decision.attention_target)
+                self._published.decision(FFN_DEPLOYMENT, state.ffn.target, decision.ffn_target)
             state = decision.state
             target = ScaleRequest(
                 attention=clamp(decision.attention_target, self._attention),

@@ -9,7 +9,9 @@ its own; the parts are:
 - `placement`: pure peer assignment, rebalance and bound functions;
 - `resize.Resizer`: resizes, FFN scale-in and Serve replica watching;
 - `autoscaler.Autoscaler`: the live policy loop;
-- `observability.signals.SignalAggregator`: the autoscaling signals.
+- `observability.signals.SignalAggregator`: the autoscaling signals;
+- `observability.steps.StepLog`: both pools' step records, for `trace`;
+- `observability.publish.CoordinatorPublisher`: pool, resize and autoscaler metrics.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from afd_ray.config import (
     AutoscaleConfig,
     ConnectorConfig,
     FFNPoolConfig,
+    ObservabilityConfig,
     Platform,
 )
 from afd_ray.connector.channel import FFNAddress
@@ -41,17 +44,22 @@ from afd_ray.control.membership import (
     ResizeEvent,
     ScaleRequest,
 )
-from afd_ray.control.placement import live_ranks
+from afd_ray.control.placement import live_count, live_ranks
 from afd_ray.control.registry import Registry
 from afd_ray.control.resize import ATTENTION_DEPLOYMENT, FFN_DEPLOYMENT, Resizer
+from afd_ray.observability.publish import CoordinatorPublisher
 from afd_ray.observability.signals import AttentionReport, SignalAggregator
 from afd_ray.observability.stats import FFNStats
+from afd_ray.observability.steps import AttentionStep, FFNStep, StepLog, TokenBreakdown
 from afd_ray.platform import collective_backend
 
 __all__ = ["ATTENTION_DEPLOYMENT", "FFN_DEPLOYMENT", "Coordinator"]
 
 logger = logging.getLogger("ray.serve")
 """Serve's logger: resizes show in the coordinator replica's log and on the console."""
+
+_PUBLISH_PERIOD_S = 0.5
+"""How often pool sizes, the epoch and new resize events are exported as metrics."""
 
 
 class Coordinator:
@@ -67,6 +75,8 @@ class Coordinator:
         attention, ffn: pool sizes at start and resize bounds.
         autoscale: drain and resize timeouts, whether the autoscaler runs.
         policy: the autoscaling policy (`autoscale.policy`, loaded by the app builder).
+        observability: whether to export pool, resize and autoscaler metrics; step
+            records kept per rank for `trace`.
     """
 
     def __init__(
@@ -77,6 +87,7 @@ class Coordinator:
         ffn: FFNPoolConfig,
         autoscale: AutoscaleConfig,
         policy: AutoscalePolicy | None = None,
+        observability: ObservabilityConfig = ObservabilityConfig(),
     ) -> None:
         app = serve.get_replica_context().app_name
         self._registry = Registry(
@@ -84,16 +95,21 @@ class Coordinator:
         )
         self._resizer = Resizer(self._registry, app, attention, ffn, autoscale)
         self._signals = SignalAggregator()
+        self._steps = StepLog(observability.step_records)
+        self._published = CoordinatorPublisher() if observability.metrics else None
         self._paused = False
         """A manual resize paused the autoscaler (until `resume_autoscaler`)."""
         self._autoscaler = (
-            Autoscaler(policy, autoscale.interval_s, attention, ffn, self._resizer, self.metrics, lambda: self._paused)
+            Autoscaler(policy, autoscale.interval_s, attention, ffn, self._resizer, self.metrics, lambda: self._paused,
+                       self._published)
             if autoscale.enabled and policy is not None
             else None
         )
         self._tasks = [asyncio.create_task(self._resizer.watch_replicas())]
         if self._autoscaler is not None:
             self._tasks.append(asyncio.create_task(self._autoscaler.run()))
+        if self._published is not None:
+            self._tasks.append(asyncio.create_task(self._publish(self._published)))
 
     # --- FFN pool --------------------------------------------------------------
 
@@ -121,11 +137,18 @@ class Coordinator:
         return registry.ep_assignment(rank, registry.plan.ranks, registry.plan.epoch)
 
     async def report_ffn(
-        self, rank: int, stats: FFNStats, expert_tokens: list[int], epoch: int, pause_s: float
+        self,
+        rank: int,
+        stats: FFNStats,
+        expert_tokens: list[int],
+        epoch: int,
+        pause_s: float,
+        steps: list[FFNStep] | None = None,
     ) -> FFNDirective:
         """Replace the counters and expert load of FFN rank `rank`, which serves layout
         `epoch` and paused its steps at most `pause_s` seconds at a step boundary since
-        its last report; feed its counters to the autoscaling signals.
+        its last report; feed its counters to the autoscaling signals and keep its new
+        step records (`steps`) for `trace`.
 
         Returns:
             The layout this rank must prepare while a resize is pending, and its
@@ -142,6 +165,7 @@ class Coordinator:
         if pause_s > 0:
             logger.info("FFN rank %d paused %.4f s at a step boundary (epoch %d)", rank, pause_s, epoch)
         self._signals.report_ffn(rank, stats, time.time())
+        self._steps.add_ffn(rank, steps or [])
         if epoch != member.epoch or "state" in update:
             await registry.notify()
         return registry.ffn_directive(rank, epoch)
@@ -226,9 +250,32 @@ class Coordinator:
 
     # --- signals and status ----------------------------------------------------
 
-    async def report_attention(self, rank: int, report: AttentionReport) -> None:
-        """Add attention rank `rank`'s autoscaling signals since its previous report."""
+    async def report_attention(
+        self, rank: int, report: AttentionReport, steps: list[AttentionStep] | None = None
+    ) -> None:
+        """Add attention rank `rank`'s autoscaling signals since its previous report,
+        and keep its new step records (`steps`) for `trace`."""
         self._signals.report_attention(rank, report, time.time())
+        self._steps.add_attention(rank, steps or [])
+
+    async def trace(self, request_id: str) -> list[TokenBreakdown]:
+        """The engine steps of request `request_id` still held in the step records,
+        each split across the pools (`afd_ray.observability.steps.breakdown`)."""
+        return self._steps.breakdown(request_id)
+
+    async def _publish(self, published: CoordinatorPublisher) -> None:
+        """Every `_PUBLISH_PERIOD_S`: export the pool sizes, targets and epoch, and
+        each resize event finished since."""
+        registry, resizer = self._registry, self._resizer
+        exported = 0
+        while True:
+            await asyncio.sleep(_PUBLISH_PERIOD_S)
+            live = {ATTENTION_DEPLOYMENT: live_count(registry.attention), FFN_DEPLOYMENT: live_count(registry.ffn)}
+            published.pools(live, dict(resizer.targets), registry.epoch)
+            for event in resizer.resizes[exported:]:
+                trigger = "manual" if event.reason == "manual" else "autoscaler"
+                published.resize(trigger, event.error is None, event.duration_s, event.pause_s)
+            exported = len(resizer.resizes)
 
     async def metrics(self) -> MetricsSnapshot:
         """The autoscaling signals of the current members over the last

@@ -25,6 +25,7 @@ latency-bound, and the all-to-all needs its split sizes on the host.
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 import torch.distributed as dist
@@ -60,6 +61,9 @@ class EPGroup:
         self.all_ready = False
         """Whether every EP rank passed `ready=True` to the last `agree()`: the group
         switches to its next layout after that step (`afd_ray.ffn.runtime`)."""
+        self.collective_s = 0.0
+        """Host time spent waiting in the MoE layers' all-gathers and reduce-scatters
+        since start, seconds (on CUDA: launch time; inside a captured graph: none)."""
 
     def agree(self, local_tokens: int, ready: bool = False) -> int:
         """Sum of every EP rank's token count for the next step (0: nobody steps).
@@ -84,7 +88,9 @@ class EPGroup:
         flat = [part.reshape(rows, math.prod(part.shape[1:])).view(torch.uint8) for part in parts]  # [B, bytes_i]
         send = torch.cat(flat, dim=1)  # [B, Σ bytes_i]
         recv = send.new_empty(self.size * rows, send.shape[1])  # [P*B, Σ bytes_i]
+        start = time.perf_counter()
         self.group._allgather_base(recv, send).wait()
+        self.collective_s += time.perf_counter() - start
         gathered = []
         for part, piece in zip(parts, recv.split([f.shape[1] for f in flat], dim=1), strict=True):
             gathered.append(piece.contiguous().view(part.dtype).view(self.size * rows, *part.shape[1:]))
@@ -115,7 +121,9 @@ class EPGroup:
         out = moe.experts(rows, all_ids.flatten(), all_weights.flatten())  # [P*B*k, H]; 0 where not owned
         partial = out.view(-1, top_k, hidden_size).sum(dim=1, dtype=torch.float32)  # [P*B, H]
         combined = partial.new_empty(rows_per_rank, hidden_size)  # [B, H] float32
+        start = time.perf_counter()
         self.group._reduce_scatter_base(combined, partial).wait()  # sum over EP ranks
+        self.collective_s += time.perf_counter() - start
         shared = moe.shared(hidden)
         if shared is not None:
             combined += shared

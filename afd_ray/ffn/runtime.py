@@ -33,6 +33,7 @@ from afd_ray.ffn.graphs import DEFAULT_BUCKETS, FFNGraphs, graphs_supported
 from afd_ray.ffn.model import FFNStack
 from afd_ray.ffn.moe import MoE
 from afd_ray.observability.stats import FFNStats
+from afd_ray.observability.steps import FFNStep, PeerStep, StepRing
 
 __all__ = ["FFNRuntime", "LayoutSwitch"]
 
@@ -95,6 +96,13 @@ class FFNRuntime:
         ep: the EP group among FFN ranks, or None for a single FFN rank.
         epoch: the layout epoch this rank starts in.
         graph_buckets: padded token counts per FFN rank captured as CUDA graphs.
+        step_records: FFN steps kept in `steps` (a ring buffer).
+
+    Timing records: every step appends an `FFNStep` to `steps` (per peer its header
+    and batching-window wait; compute, EP collective and F2A send times), read by the
+    FFN server for metrics and per-token breakdowns (`afd_ray.observability.steps`).
+    With EP, the step agreement all-reduce counts as batching-window wait. On CUDA the
+    times are host times of asynchronous launches.
     """
 
     def __init__(
@@ -107,11 +115,14 @@ class FFNRuntime:
         ep: EPGroup | None = None,
         epoch: int = 0,
         graph_buckets: Sequence[int] = DEFAULT_BUCKETS,
+        step_records: int = 4096,
     ) -> None:
         self.model = model
         self.channel = channel
         self.ep = ep
         self.stats = FFNStats()
+        self.steps: StepRing[FFNStep] = StepRing(step_records)
+        """The last `step_records` steps' timing records."""
         self.epoch = epoch
         """Layout epoch this rank serves."""
         self.left = False
@@ -141,8 +152,9 @@ class FFNRuntime:
                 header, self._deferred = self._deferred or self.channel.recv_header(self._poll_s), None
                 steps: list[StepHeader] = []
                 membership: list[StepHeader] = []
+                arrived: dict[int, float] = {}
                 if header is not None and header.kind is HeaderKind.STEP:
-                    steps, membership = self._form_step(header)
+                    steps, membership, arrived = self._form_step(header)
                 elif header is not None:
                     membership.append(header)
                 pending = self._pending
@@ -152,7 +164,7 @@ class FFNRuntime:
                     run_step = self.ep.agree(sum(step.num_tokens for step in steps), pending is not None) > 0
                     switch = self.ep.all_ready
                 if run_step and not self.left:
-                    self._step(steps)
+                    self._step(steps, arrived)
                 start = time.perf_counter()
                 for change in membership:
                     self._apply(change)
@@ -202,11 +214,15 @@ class FFNRuntime:
             "left" if switch.leave else f"EP {switch.ep.rank}/{switch.ep.size}" if switch.ep else "no EP",
         )
 
-    def _form_step(self, first: StepHeader) -> tuple[list[StepHeader], list[StepHeader]]:
-        """The STEP headers of this step (peer order) and the JOIN/LEAVE read meanwhile."""
+    def _form_step(
+        self, first: StepHeader
+    ) -> tuple[list[StepHeader], list[StepHeader], dict[int, float]]:
+        """The STEP headers of this step (peer order), the JOIN/LEAVE read meanwhile,
+        and when each peer's header was read (`time.perf_counter()`)."""
         steps = {first.peer: first}
+        arrived = {first.peer: time.perf_counter()}
         membership: list[StepHeader] = []
-        deadline = time.perf_counter() + self._batch_window_s
+        deadline = arrived[first.peer] + self._batch_window_s
         while len(steps) < len(self.channel.peers):
             left = deadline - time.perf_counter()
             header = self.channel.recv_header(max(left, 0.0))
@@ -217,9 +233,10 @@ class FFNRuntime:
                 break
             if header.kind is HeaderKind.STEP:
                 steps[header.peer] = header
+                arrived[header.peer] = time.perf_counter()
             else:
                 membership.append(header)
-        return [steps[peer] for peer in sorted(steps)], membership
+        return [steps[peer] for peer in sorted(steps)], membership, arrived
 
     def _layout_compute(self) -> FFNGraphs:
         """The compute of the current model and EP group, built (graphs captured) at
@@ -239,8 +256,11 @@ class FFNRuntime:
             logger.info("attention rank %d left (epoch %d)", header.peer, header.epoch)
 
     @torch.inference_mode()
-    def _step(self, steps: list[StepHeader]) -> None:
+    def _step(self, steps: list[StepHeader], arrived: dict[int, float]) -> None:
         start = time.perf_counter()
+        wall = time.time()
+        ep_before = self.ep.collective_s if self.ep is not None else 0.0
+        compute_s = f2a_s = 0.0
         compute = self._layout_compute()
         sizes = [step.num_tokens for step in steps]
         tokens = sum(sizes)
@@ -253,21 +273,31 @@ class FFNRuntime:
             for i, (step, peer_rows) in enumerate(zip(steps, rows)):
                 peer_topk = None if topk is None else tuple(t.split(sizes)[i] for t in topk)  # [T_i, k] views
                 self.channel.recv_a2f(step.peer, peer_rows, peer_topk)
+            computing = time.perf_counter()
             out, routed = compute.run(layer, inputs)  # [R, H]; [R, k] int64 for an MoE layer
             if routed is not None:
                 routed = routed[:tokens].flatten()  # [ΣT_i*k]
                 self.expert_tokens.index_add_(0, routed, torch.ones_like(routed))
+            sending = time.perf_counter()
+            compute_s += sending - computing
             for step, peer_out in zip(steps, out[:tokens].split(sizes)):
                 self.channel.send_f2a(step.peer, peer_out)
+            f2a_s += time.perf_counter() - sending
         layer_bytes = hidden.numel() * hidden.element_size()  # [ΣT_i, H] one way, one layer
         topk_bytes = sum(t.numel() * t.element_size() for t in topk) if topk is not None else 0
+        end = time.perf_counter()
+        ep_s = self.ep.collective_s - ep_before if self.ep is not None else 0.0
+        peers = tuple(
+            PeerStep(step.peer, step.epoch, step.step_id, step.num_tokens, start - arrived[step.peer]) for step in steps
+        )
+        self.steps.append(FFNStep(self.epoch, wall, peers, max(compute_s - ep_s, 0.0), ep_s, f2a_s, end - start))
         stats = self.stats
         self.stats = replace(
             stats,
             steps=stats.steps + 1,
             layers=stats.layers + len(layers),
             tokens=stats.tokens + tokens,
-            busy_s=stats.busy_s + time.perf_counter() - start,
+            busy_s=stats.busy_s + end - start,
             a2f_bytes=stats.a2f_bytes + (layer_bytes + topk_bytes) * len(layers),
             f2a_bytes=stats.f2a_bytes + layer_bytes * len(layers),
         )

@@ -28,6 +28,7 @@ from afd_ray.config import (
     FFNPoolConfig,
     GatePlacement,
     ModelConfig,
+    ObservabilityConfig,
     Platform,
 )
 from afd_ray.connector.channel import FFNChannel
@@ -39,6 +40,7 @@ from afd_ray.ffn.model import FFNStack, load_ffn_stack
 from afd_ray.ffn.moe import MoE
 from afd_ray.ffn.runtime import FFNRuntime, LayoutSwitch
 from afd_ray.models.embedded import resolve_checkpoint
+from afd_ray.observability.publish import FFNPublisher
 from afd_ray.platform import collective_backend, torch_device
 
 __all__ = ["FFNServer"]
@@ -73,6 +75,7 @@ class FFNServer:
         connector: ConnectorConfig,
         gate_placement: GatePlacement,
         coordinator: DeploymentHandle,
+        observability: ObservabilityConfig = ObservabilityConfig(),
     ) -> None:
         """Open the connector, register with the coordinator, load this rank's FFN-role
         weights (its EP shard of the routed experts), join the EP group, start the loop.
@@ -101,8 +104,10 @@ class FFNServer:
         self._preparing = assignment.epoch
         poll_s = self._ep_poll_s if _is_moe(stack) else _STOP_POLL_S
         self._runtime = FFNRuntime(
-            stack, channel, dtype, poll_s, connector.batch_window_us / 1e6, ep, epoch=assignment.epoch
+            stack, channel, dtype, poll_s, connector.batch_window_us / 1e6, ep, epoch=assignment.epoch,
+            step_records=observability.step_records,
         )
+        self._publisher = FFNPublisher(self.rank) if observability.metrics else None
         self._loop = threading.Thread(target=self._runtime.run, name=f"afd-ffn-{self.rank}", daemon=True)
         self._loop.start()
         self._reporter = asyncio.create_task(self._report())
@@ -127,8 +132,11 @@ class FFNServer:
     async def _report(self) -> None:
         while True:
             runtime = self._runtime
+            stats, expert_tokens, steps = runtime.stats, runtime.expert_tokens.tolist(), runtime.steps.take_new()
+            if self._publisher is not None:
+                self._publisher.publish(stats, expert_tokens, runtime.epoch, steps)
             directive = await self._coordinator.report_ffn.remote(
-                self.rank, runtime.stats, runtime.expert_tokens.tolist(), runtime.epoch, runtime.take_pause()
+                self.rank, stats, expert_tokens, runtime.epoch, runtime.take_pause(), steps
             )
             runtime.drop_peers(directive.dead_peers)
             plan = directive.plan

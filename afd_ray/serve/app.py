@@ -60,20 +60,21 @@ def build_app(args: dict[str, object]) -> Application:
         ray_actor_options={"num_cpus": 0},
         # FFN ranks report counters several times a second: keep them out of the log.
         logging_config={"enable_access_log": False},
-    ).bind(cfg.platform, cfg.connector, cfg.attention, cfg.ffn, cfg.autoscale, policy)
+    ).bind(cfg.platform, cfg.connector, cfg.attention, cfg.ffn, cfg.autoscale, policy, cfg.observability)
     ffn = serve.deployment(FFNServer).options(
         name=FFN_DEPLOYMENT,
         num_replicas=cfg.ffn.num_ranks,
         graceful_shutdown_timeout_s=cfg.autoscale.resize_timeout_s,
         **_member_placement(cfg.platform, cfg.ffn.bundle_resources, cfg.ffn.placement),
-    ).bind(cfg.platform, cfg.model, cfg.ffn, cfg.connector, cfg.gate_placement, coordinator)
+    ).bind(cfg.platform, cfg.model, cfg.ffn, cfg.connector, cfg.gate_placement, coordinator, cfg.observability)
     attention = serve.deployment(AttentionServer).options(
         name=ATTENTION_DEPLOYMENT,
         num_replicas=cfg.attention.num_ranks,
         graceful_shutdown_timeout_s=cfg.autoscale.drain_timeout_s + _TEARDOWN_S,
         max_ongoing_requests=cfg.attention.max_num_seqs,
         **_member_placement(cfg.platform, cfg.attention.bundle_resources, cfg.attention.placement),
-    ).bind(cfg.model, cfg.attention, cfg.connector, cfg.gate_placement, coordinator, cfg.autoscale)
+    ).bind(cfg.model, cfg.attention, cfg.connector, cfg.gate_placement, coordinator, cfg.autoscale,
+           cfg.observability)
     ingress = serve.deployment(Ingress).options(
         name="ingress",
         max_ongoing_requests=cfg.ingress.max_ongoing_requests,

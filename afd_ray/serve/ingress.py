@@ -189,6 +189,21 @@ class Ingress:
         status = await self._coordinator.status.remote()
         return JSONResponse(status.model_dump(mode="json"))
 
+    @app.get("/afd/trace/{request_id}", response_model=None)
+    async def afd_trace(self, request_id: str) -> Response:
+        """The engine steps of request `request_id` (its OpenAI `id`) split across the
+        pools (`afd_ray.observability.steps.TokenBreakdown`), or 404 when no step
+        record names it (unknown id, or older than the ring buffers)."""
+        steps = await self._coordinator.trace.remote(request_id)
+        if not steps:
+            error = ErrorInfo(
+                message=f"request_id: no step record names {request_id!r} (unknown, or evicted from the "
+                "observability.step_records ring buffers)",
+                type="NotFoundError", param="request_id", code=HTTPStatus.NOT_FOUND,
+            )  # fmt: skip
+            return _error_response(ErrorResponse(error=error))
+        return JSONResponse({"request_id": request_id, "steps": [step.model_dump(mode="json") for step in steps]})
+
     @app.post("/afd/scale", response_model=None)
     async def afd_scale(self, request: Request) -> Response:
         """Resize the pools to the body's `{"attention": int, "ffn": int}` and answer

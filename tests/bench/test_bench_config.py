@@ -17,7 +17,13 @@ def test_topologies_parse_from_their_labels() -> None:
     assert Topology.model_validate(cfg.topologies[2].model_dump()) == cfg.topologies[2]
 
 
-@pytest.mark.parametrize("label", ["1A0F", "AF", "2x2", ""])
+def test_bare_topology_runs_without_metrics_and_step_records() -> None:
+    (bare,) = BenchConfig(topologies=("1a1f-bare",)).topologies
+    assert (bare.attention, bare.ffn, bare.observability, bare.label) == (1, 1, False, "1A1F-bare")
+    assert BenchConfig(topologies=("1A1F",)).topologies[0].observability
+
+
+@pytest.mark.parametrize("label", ["1A0F", "AF", "2x2", "", "plain-bare", "1A1F-off"])
 def test_bad_topology_is_rejected_with_its_label(label: str) -> None:
     with pytest.raises(ValidationError, match="topolog"):
         BenchConfig(topologies=(label,))

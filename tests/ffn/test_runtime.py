@@ -169,3 +169,25 @@ def test_routing_sent_by_the_attention_side_is_used(tmp_path: Path, transport: s
     finally:
         runtime.stop()
         loop.join(10)
+
+
+@pytest.mark.window(30.0)
+def test_each_step_leaves_a_timing_record_per_peer(runtime: FFNRuntime) -> None:
+    """One step over two peers: one record naming both peers' step headers (the join
+    key of the per-token breakdown); the peer that announced first waited longer."""
+    first, second = _open(runtime, 0), _open(runtime, 1)
+    errors: list[str] = []
+    early = threading.Thread(target=_attention_peer, args=(runtime, first, [6], errors))
+    early.start()
+    time.sleep(0.2)  # peer 0's header waits in the batching window for peer 1's
+    _attention_peer(runtime, second, [11], errors)
+    early.join(60)
+    assert errors == []
+    _wait_for_steps(runtime, 1)
+    (record,) = runtime.steps.records()
+    assert [(p.rank, p.epoch, p.step_id, p.num_tokens) for p in record.peers] == [(0, 0, 1, 6), (1, 0, 1, 11)]
+    queue = {p.rank: p.queue_s for p in record.peers}
+    assert queue[0] >= 0.2 > queue[1] >= 0
+    assert record.compute_s > 0 and record.f2a_s >= 0 and record.ep_s == 0  # no EP group
+    assert record.total_s >= record.compute_s + record.f2a_s
+    assert runtime.steps.take_new() == [record] and runtime.steps.take_new() == []
