@@ -61,24 +61,31 @@ class EPGroup:
         self.all_ready = False
         """Whether every EP rank passed `ready=True` to the last `agree()`: the group
         switches to its next layout after that step (`afd_ray.ffn.runtime`)."""
+        self.first_layer = 0
+        """The layer the step of the last `agree()` starts at: the largest `first_layer`
+        of the ranks that have tokens (0 when none has). Every rank runs the layers from
+        there, including a rank with no local step."""
         self.collective_s = 0.0
         """Host time spent waiting in the MoE layers' all-gathers and reduce-scatters
         since start, seconds (on CUDA: launch time; inside a captured graph: none)."""
 
-    def agree(self, local_tokens: int, ready: bool = False) -> int:
+    def agree(self, local_tokens: int, ready: bool = False, first_layer: int = 0) -> int:
         """Sum of every EP rank's token count for the next step (0: nobody steps).
 
-        One all-reduce of a `[P+1]` int64 vector (this rank's count at its rank, its
-        `ready` flag added at P), then a host read; it also sets `step_tokens` and
-        `all_ready`.
+        One all-reduce of a `[2P+1]` int64 vector (this rank's count at its rank, its
+        `ready` flag added at P, its step's `first_layer` at P+1+rank), then a host
+        read; it also sets `step_tokens`, `all_ready` and `first_layer`.
         """
-        counts = torch.zeros(self.size + 1, dtype=torch.int64, device=self._device)  # [P+1]
+        counts = torch.zeros(2 * self.size + 1, dtype=torch.int64, device=self._device)  # [2P+1]
         counts[self.rank] = local_tokens
         counts[self.size] = int(ready)
+        counts[self.size + 1 + self.rank] = first_layer
         self.group.allreduce([counts]).wait()
-        *tokens, num_ready = counts.tolist()
+        values = counts.tolist()
+        tokens, num_ready, firsts = values[: self.size], values[self.size], values[self.size + 1 :]
         self.step_tokens = tuple(tokens)
         self.all_ready = num_ready == self.size
+        self.first_layer = max((f for t, f in zip(tokens, firsts) if t > 0), default=0)
         return sum(self.step_tokens)
 
     def _all_gather(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:

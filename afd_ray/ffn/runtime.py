@@ -158,13 +158,15 @@ class FFNRuntime:
                 elif header is not None:
                     membership.append(header)
                 pending = self._pending
+                first_layer = steps[0].first_layer if steps else 0
                 if self.ep is None:
                     run_step, switch = bool(steps), pending is not None
-                else:
-                    run_step = self.ep.agree(sum(step.num_tokens for step in steps), pending is not None) > 0
-                    switch = self.ep.all_ready
+                else:  # an EP rank with no local step still runs the group's layers
+                    tokens = sum(step.num_tokens for step in steps)
+                    run_step = self.ep.agree(tokens, pending is not None, first_layer) > 0
+                    switch, first_layer = self.ep.all_ready, self.ep.first_layer
                 if run_step and not self.left:
-                    self._step(steps, arrived)
+                    self._step(steps, arrived, first_layer)
                 start = time.perf_counter()
                 for change in membership:
                     self._apply(change)
@@ -256,7 +258,7 @@ class FFNRuntime:
             logger.info("attention rank %d left (epoch %d)", header.peer, header.epoch)
 
     @torch.inference_mode()
-    def _step(self, steps: list[StepHeader], arrived: dict[int, float]) -> None:
+    def _step(self, steps: list[StepHeader], arrived: dict[int, float], first_layer: int) -> None:
         start = time.perf_counter()
         wall = time.time()
         ep_before = self.ep.collective_s if self.ep is not None else 0.0
@@ -268,7 +270,7 @@ class FFNRuntime:
         hidden = inputs.hidden[:tokens]  # [ΣT_i, H]
         rows = hidden.split(sizes)  # per peer: a view [T_i, H] into hidden
         topk = None if inputs.routing is None else [t[:tokens] for t in inputs.routing]  # ids, weights: [ΣT_i, k]
-        layers = range(steps[0].first_layer, self.model.num_layers)
+        layers = range(first_layer, self.model.num_layers)
         for layer in layers:
             for i, (step, peer_rows) in enumerate(zip(steps, rows)):
                 peer_topk = None if topk is None else tuple(t.split(sizes)[i] for t in topk)  # [T_i, k] views
