@@ -1,7 +1,10 @@
-"""The AFD Llama split against plain vLLM, and weight ownership by role.
+"""The AFD Llama split against plain vLLM, weight ownership by role, and each CPU
+transport end to end.
 
 Both go through the session's application (`client` fixture: SmolLM2-135M-Instruct,
-float32, 1A:1F over gloo) and compare with vLLM without AFD on the same checkpoint.
+float32, 1A:1F; `connector.transport: auto`, so `shm` on the one Ray node) and
+compare with vLLM without AFD on the same checkpoint; a second application set to
+`connector.transport: gloo` must give the same tokens.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from vllm import LLM, SamplingParams
 
 from afd_ray.config import ModelConfig
 from afd_ray.models.embedded import resolve_checkpoint
+from afd_ray.serve.app import build_app
 
 PROMPTS = [
     "The capital of France is",
@@ -41,12 +45,12 @@ def plain_vllm(args: dict[str, object]) -> Iterator[LLM]:
     llm.llm_engine.engine_core.shutdown()
 
 
-def _afd_token_ids(client: httpx.Client, prompt: str) -> list[int]:
+def _afd_token_ids(client: httpx.Client, prompt: str, route: str = "") -> list[int]:
     body = {
         "model": "smollm2", "prompt": prompt, "max_tokens": MAX_TOKENS,
         "temperature": 0, "return_token_ids": True,
     }
-    response = client.post("/v1/completions", json=body)
+    response = client.post(f"{route}/v1/completions", json=body)
     assert response.status_code == 200, response.text
     return response.json()["choices"][0]["token_ids"]
 
@@ -71,3 +75,29 @@ def test_each_role_holds_only_its_own_weights(client: httpx.Client) -> None:
     assert set(ffn) == {"layers.gate_proj.weight", "layers.up_proj.weight", "layers.down_proj.weight"}
     # SmolLM2-135M: 30 layers x 3 x (576 x 1536) float32 weights
     assert sum(ffn.values()) == 30 * 3 * 576 * 1536 * 4
+
+
+def _pair_transports(app: str) -> dict[int, str]:
+    return serve.get_deployment_handle("ffn", app_name=app).peer_transports.remote().result()
+
+
+def test_the_session_pair_runs_over_shm_on_one_node(client: httpx.Client) -> None:
+    _afd_token_ids(client, PROMPTS[0])
+    assert _pair_transports("afd") == {0: "shm"}
+
+
+def test_gloo_chosen_in_config_gives_the_same_tokens(
+    client: httpx.Client, args: dict[str, object], plain_vllm: LLM
+) -> None:
+    """The same application with `connector.transport: gloo` serves over a gloo pair
+    group, token for token like plain vLLM."""
+    gloo_args = args | {"connector": {**args["connector"], "transport": "gloo"}}
+    serve.run(build_app(gloo_args), name="afd-gloo", route_prefix="/gloo")
+    try:
+        greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+        for prompt in PROMPTS[:2]:
+            (reference,) = plain_vllm.generate([prompt], greedy, use_tqdm=False)
+            assert _afd_token_ids(client, prompt, "/gloo") == list(reference.outputs[0].token_ids), prompt
+        assert _pair_transports("afd-gloo") == {0: "gloo"}
+    finally:
+        serve.delete("afd-gloo")
