@@ -192,9 +192,11 @@ class ConnectorConfig(_Section):
     the other peers' headers before it starts the step without them, microseconds.
     Bounds how long a slow or idle attention rank can delay the others."""
 
-    host: str | None = "127.0.0.1"
-    """Address FFN ranks bind their header socket and rendezvous store to; None means
-    the Ray node's IP (needed when the pools span several nodes)."""
+    host: str | None = None
+    """Address FFN ranks bind their header socket and rendezvous store to; None (the
+    default) means the IP of the Ray node each FFN rank runs on, which works whether
+    the pools share a node or span several; `127.0.0.1` keeps a one-node deployment
+    off the network."""
 
     transport: TransportChoice = "auto"
     """Data plane of each attention↔FFN pair (`afd_ray.connector.link`). `auto`:

@@ -1,0 +1,78 @@
+"""Driver of `test_two_nodes.py`, in its own process (a Ray driver joins one cluster,
+and the test session already holds one).
+
+Starts a two-node Ray cluster on this machine: a head on 127.0.0.1 and a worker node
+on 127.0.0.2 that alone has the custom resource `ffn_node`. Serves the tiny Llama
+checkpoint given as argv[1] with the FFN pool pinned to `ffn_node` through
+`AFDConfig` (`ffn.placement.resources`) and `connector.host` unset, sends the prompts
+of argv[2] (a JSON list) as greedy completions of argv[3] tokens, and prints one JSON
+line: the token ids, the Ray node of each FFN rank and of the worker node, the host
+the FFN rank bound, and the transport of each attention↔FFN pair.
+
+Every port is picked by the OS (GCS, node managers, agents, the Serve proxy); the
+caller gives this process its own `RAY_TMPDIR` and process group, so nothing here
+meets the session cluster, and a killed driver takes its Ray processes with it.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+
+import httpx
+import ray
+from ray import serve
+from ray.cluster_utils import Cluster
+
+from afd_ray.serve.app import build_app
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def main(checkpoint: str, prompts: list[str], max_tokens: int) -> dict[str, object]:
+    head = {"node_ip_address": "127.0.0.1", "num_cpus": 3, "include_dashboard": False}
+    cluster = Cluster(initialize_head=True, head_node_args=head | {"dashboard_agent_listen_port": None})
+    try:
+        worker = cluster.add_node(node_ip_address="127.0.0.2", num_cpus=1, resources={"ffn_node": 1})
+        cluster.connect()
+        port = _free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port, "location": "HeadOnly"})
+        args = {
+            "model": {"source": checkpoint, "served_name": "tiny", "max_model_len": 256},
+            "attention": {"bundle_resources": 0.5, "kv_cache_gib": 0.25, "max_num_seqs": 4},
+            "ffn": {"bundle_resources": 0.5, "placement": {"resources": {"ffn_node": 1}}},
+        }
+        serve.run(build_app(args), name="afd", route_prefix="/")
+        tokens = []
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300) as http:
+            for prompt in prompts:
+                body = {
+                    "model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
+                    "temperature": 0, "return_token_ids": True, "ignore_eos": True,
+                }  # fmt: skip
+                response = http.post("/v1/completions", json=body).raise_for_status()
+                tokens.append(response.json()["choices"][0]["token_ids"])
+            status = http.get("/afd/status").raise_for_status().json()
+        transports = serve.get_deployment_handle("ffn", app_name="afd").peer_transports.remote().result()
+        result = {
+            "tokens": tokens,
+            "ffn_nodes": [member["address"]["node"] for member in status["ffn"]],
+            "ffn_hosts": [member["address"]["host"] for member in status["ffn"]],
+            "worker_node": worker.node_id,
+            "head_node": cluster.head_node.node_id,
+            "transports": {str(peer): transport for peer, transport in transports.items()},
+        }
+        serve.shutdown()
+        return result
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+if __name__ == "__main__":
+    print("RESULT " + json.dumps(main(sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]))))
