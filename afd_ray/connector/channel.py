@@ -48,9 +48,10 @@ stream, and `Work.wait()` makes the caller's current stream wait for it (no host
 The `isend_*`/`irecv_*` variants return it as a `Pending` so that a caller can overlap it with
 compute, and can be captured in a CUDA graph (after one eager call has created the NCCL
 communicator); headers stay on the ZeroMQ socket, outside any graph. A pair may open
-`ubatch_groups` > 1 process groups, one per micro-batch (`afd_ray.connector.ubatch`):
-each has its own NCCL stream, so the transfers of one ubatch never queue behind those
-of the other. The ops of one group run in order on one stream, so a receive queued
+`ubatch_groups` > 1 process groups, one per micro-batch (DBO;
+`tests/connector/test_ubatch.py` runs a two-ubatch schedule over them): each has its
+own NCCL stream, so the transfers of one ubatch never queue behind those of the
+other. The ops of one group run in order on one stream, so a receive queued
 before a send of the same group deadlocks on NCCL: send A2F first, then receive F2A.
 """
 
@@ -249,7 +250,7 @@ class AttentionChannel:
 
     def irecv_f2a(self, out: torch.Tensor, ubatch: int = 0) -> Pending:
         """Queue the receive of the FFN output `[T_u, H]` of ubatch `ubatch` into `out`
-        (a preallocated buffer, e.g. from `afd_ray.connector.buffers`)."""
+        (contiguous, preallocated by the caller)."""
         return self._data.recv([out], ubatch)
 
     def exchange(

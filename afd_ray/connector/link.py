@@ -31,7 +31,7 @@ Buffer ownership (DeepEP-style):
 - A tensor handed to a send belongs to the link until the send's `Pending.wait()`
   returned (blocking calls: until they return); the caller must not change it.
 - A receive writes into the caller's `out` (contiguous, exact shape and dtype),
-  typically a preallocated per-token-bucket buffer (`afd_ray.connector.buffers`,
+  typically a preallocated per-token-bucket buffer (the FFN side's
   `FFNGraphs.inputs`) that the FFN then computes from; `out` holds the data once the
   receive's `Pending.wait()` returned, and not before.
 - All tensors are contiguous and on the link's device (CPU for `shm`/`gloo`).

@@ -107,7 +107,8 @@ def add_plan(subparsers: argparse._SubParsersAction) -> None:
         help="recommend the A:F ratio and batch per attention rank from a profile (ranked alternatives)",
     )
     plan.add_argument(
-        "--profile", type=Path, required=True, help="`afd-ray profile` JSON, or the GPU benchmark JSON (afd_ray.bench.decode)"
+        "--profile", type=Path, required=True,
+        help="`afd-ray profile` JSON, or a GPU decode benchmark JSON (benchmarks/results/h200x2-2026-11-29.json)",
     )
     plan.add_argument("--model", help="with a GPU benchmark JSON: which of its models (default: the first)")
     plan.add_argument("--slo-tpot-ms", type=_positive, required=True, help="TPOT target, ms")

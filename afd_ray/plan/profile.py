@@ -7,8 +7,9 @@ layer's attention module (`self_attn`) and FFN module (`mlp` / `block_sparse_moe
 a pre- and a post-hook; the model's own pre-hook marks the start of every forward, so
 the time from one decode forward's start to the next is the whole engine step
 (scheduling, forward, sampling). On CPU every op is synchronous, so the hooks time the
-work itself. (On a GPU they would time kernel launches only: there, use the GPU
-benchmark's JSON, `afd_ray.bench.decode`, which `load_profile` accepts.)
+work itself. (On a GPU they would time kernel launches only: there, use a GPU decode
+benchmark JSON, which `load_profile` accepts: `benchmarks/results/h200x2-2026-11-29.json`,
+measured with the former stand-alone GPU harness, fixes its format.)
 
 Communication inside a colocated step is zero on one device. What AFD would add is
 measured separately (`afd_ray.plan.link`): the connector's layer round trip on this
@@ -229,11 +230,13 @@ def verdicts(profile: Profile) -> list[Verdict]:
 
 
 def _from_gpu_bench(data: dict, model: str | None, source: str) -> Profile:
-    """A `Profile` from `python -m afd_ray.bench.decode`'s result JSON: per batch, the
-    attention-only step (`attention_ub1.step_ms`), the FFN-only step (`ffn_ub1.step_ms`)
-    and the colocated step (`colocated_1gpu.step_ms`, whose rest is `other`); the link
-    from the CUDA-graph layer round trips (`roundtrip_us_graph`) for the latency and the
-    bulk A2F bandwidth (`p2p.a2f_bulk_GBps`).
+    """A `Profile` from a GPU decode benchmark JSON (the format of
+    `benchmarks/results/h200x2-2026-11-29.json`, written by the stand-alone GPU harness
+    that issue 12 removed): per batch, the attention-only step (`attention_ub1.step_ms`),
+    the FFN-only step (`ffn_ub1.step_ms`) and the colocated step
+    (`colocated_1gpu.step_ms`, whose rest is `other`); the link from the CUDA-graph
+    layer round trips (`roundtrip_us_graph`) for the latency and the bulk A2F bandwidth
+    (`p2p.a2f_bulk_GBps`).
 
     Raises:
         ValueError: `model` is not in the file (names the models it has).
@@ -260,7 +263,7 @@ def _from_gpu_bench(data: dict, model: str | None, source: str) -> Profile:
     profile = Profile(
         model=name,
         device=f"{data['gpu']} (x{data['gpus']})",
-        source=f"afd_ray.bench.decode JSON {source}",
+        source=f"GPU decode benchmark JSON {source}",
         num_layers=entry["num_layers"],
         hidden_size=entry["hidden_size"],
         bytes_per_elem=2 if "16" in data["dtype"] else 4,
@@ -273,8 +276,8 @@ def _from_gpu_bench(data: dict, model: str | None, source: str) -> Profile:
 
 def load_profile(path: Path, model: str | None = None) -> Profile:
     """Read a profile: `afd-ray profile`'s JSON, or the GPU benchmark's
-    (`afd_ray.bench.decode`, e.g. benchmarks/results/h200x2-*.json; `model` picks one
-    of its models, default the first).
+    (e.g. `benchmarks/results/h200x2-2026-11-29.json`; `model` picks one of its
+    models, default the first).
 
     Raises:
         ValueError: not JSON, or neither kind of file; the message names the file and

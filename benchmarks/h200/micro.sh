@@ -4,17 +4,16 @@
 #   bash benchmarks/h200/micro.sh OUT [PART ...]
 # PARTs, in the order given (default: all, in this order):
 #   compat        vLLM 0.26/0.32 names resolve (afd_ray.compat) and the serving modules import
-#   nvlink_no_mps two processes on one GPU without MPS (time-sliced: milliseconds)
+#   cuda_ipc_no_mps the cuda_ipc pair without MPS (time-sliced: milliseconds)
 #   mps           start the NVIDIA MPS daemon; later parts run under it (stopped at exit)
 #   cuda_ipc      the serving path's cuda_ipc pair, two processes on one GPU
-#   nvlink        the typed NVLink pair, two processes on one GPU
 #   e2e           tests/gpu/test_serve_one_gpu.py: AFD 1A:1F through Serve on one GPU vs plain vLLM
 #   gpu_tests     the other tests in tests/gpu
 #   moe_layer     one MoE layer vs its weight-read floor, with the Triton tile sweep
 # Each part is bounded by `timeout` and runs even if an earlier one failed; the exit
 # status is the number of failed parts.
 out=${1:?result folder}; shift
-parts=${*:-compat nvlink_no_mps mps cuda_ipc nvlink e2e gpu_tests moe_layer}
+parts=${*:-compat cuda_ipc_no_mps mps cuda_ipc e2e gpu_tests moe_layer}
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 failed=0
@@ -36,14 +35,12 @@ import vllm, afd_ray.compat as c
 import afd_ray.serve.ingress, afd_ray.attention.server, afd_ray.attention.engine
 import afd_ray.attention.models.llama, afd_ray.attention.models.qwen3_moe, afd_ray.attention.models.deepseek
 print('vllm', vllm.__version__, 'errors', c.VLLM_REQUEST_ERRORS, c.ErrorResponse, c.create_error_response, c.clean_loc_for_param)" ;;
-    nvlink_no_mps) run nvlink_no_mps 100 python3 -m afd_ray.bench.decode_nvlink --one-gpu --tokens 1 16 128 \
-        --writes copy --iters 20 --timeout-s 90 --out "$out/nvlink_no_mps.json" ;;
+    cuda_ipc_no_mps) run cuda_ipc_no_mps 150 python3 -m afd_ray.bench.cuda_ipc --iters 5 --warmup 1 \
+        --out "$out/cuda_ipc_no_mps.json" ;;
     mps) export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
          mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
          nvidia-cuda-mps-control -d && echo "MPS daemon started" || { echo "MPS failed"; failed=$((failed + 1)); } ;;
     cuda_ipc) run cuda_ipc 150 python3 -m afd_ray.bench.cuda_ipc --out "$out/cuda_ipc.json" ;;
-    nvlink) run nvlink 150 python3 -m afd_ray.bench.decode_nvlink --one-gpu --tokens 1 16 128 \
-        --iters 20 --timeout-s 120 --out "$out/nvlink.json" ;;
     e2e) run e2e 480 python3 -m pytest tests/gpu/test_serve_one_gpu.py --confcutdir=tests/gpu -rs -q -s -p no:cacheprovider ;;
     gpu_tests) run gpu_tests 300 python3 -m pytest tests/gpu --confcutdir=tests/gpu -rs -q -s -p no:cacheprovider \
         --ignore=tests/gpu/test_serve_one_gpu.py ;;

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -16,21 +17,6 @@ from afd_ray.connector.channel import AttentionChannel, FFNAddress, FFNChannel
 from afd_ray.connector.header import HeaderKind, StepHeader
 from afd_ray.connector.link import AttentionLink, FFNLink, PeerLostError, select_transport
 from afd_ray.control.registry import Registry
-
-
-def _pair(transport: str, timeout_s: float = 10) -> tuple[FFNChannel, AttentionChannel]:
-    ffn = FFNChannel("127.0.0.1", "gloo", timeout_s=timeout_s)
-
-    def admit() -> None:
-        header = ffn.recv_header(10)
-        assert header is not None and header.kind is HeaderKind.JOIN
-        ffn.admit(header.peer)
-
-    admitter = threading.Thread(target=admit)
-    admitter.start()
-    attention = AttentionChannel(ffn.address, 3, 0, transport, timeout_s=timeout_s)
-    admitter.join(10)
-    return ffn, attention
 
 
 def test_auto_picks_shm_on_one_node_and_the_backend_across_nodes() -> None:
@@ -71,11 +57,13 @@ def test_step_header_carries_its_first_layer_in_40_bytes() -> None:
     assert StepHeader.unpack(header.pack()) == header
 
 
-@pytest.mark.parametrize("transport", ["gloo", "shm"])
-def test_channels_implement_the_contract_and_carry_prefill_sized_steps(transport: str) -> None:
+def test_channels_implement_the_contract_and_carry_prefill_sized_steps(
+    transport: str, open_pair: Callable[..., AttentionChannel]
+) -> None:
     """A `[4096, 576]` float32 step (9.4 MB, more than one shm slot) with top-k
     routing arrives bit for bit; the FFN side reports the pair's transport."""
-    ffn, attention = _pair(transport)
+    ffn = FFNChannel("127.0.0.1", "gloo", timeout_s=10)
+    attention = open_pair(ffn, 3, transport)
     assert isinstance(attention, AttentionLink) and isinstance(ffn, FFNLink)
     assert ffn.transport_of(3) == transport
     tokens, hidden_size, k = 4096, 576, 2
@@ -100,8 +88,9 @@ def test_channels_implement_the_contract_and_carry_prefill_sized_steps(transport
     ffn.close()
 
 
-def test_shm_wait_is_bounded_and_fails_with_the_typed_error() -> None:
-    ffn, attention = _pair("shm", timeout_s=0.5)
+def test_shm_wait_is_bounded_and_fails_with_the_typed_error(open_pair: Callable[..., AttentionChannel]) -> None:
+    ffn = FFNChannel("127.0.0.1", "gloo", timeout_s=0.5)
+    attention = open_pair(ffn, 3, "shm", timeout_s=0.5)
     start = time.monotonic()
     with pytest.raises(PeerLostError, match="no shm message within 0.5 s") as error:
         ffn.recv_a2f(3, torch.empty(2, 8))
@@ -111,10 +100,11 @@ def test_shm_wait_is_bounded_and_fails_with_the_typed_error() -> None:
     ffn.close()
 
 
-def test_close_releases_a_blocked_shm_wait_at_once() -> None:
+def test_close_releases_a_blocked_shm_wait_at_once(open_pair: Callable[..., AttentionChannel]) -> None:
     """The FFN never answers; closing the attention link from another thread ends
     the exchange with `PeerLostError` well before the 30 s timeout."""
-    ffn, attention = _pair("shm", timeout_s=30)
+    ffn = FFNChannel("127.0.0.1", "gloo", timeout_s=30)
+    attention = open_pair(ffn, 3, "shm", timeout_s=30)
     errors: list[BaseException] = []
 
     def exchange() -> None:

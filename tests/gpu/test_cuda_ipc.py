@@ -1,8 +1,7 @@
 """The pair transport between two processes on ONE GPU (`cuda_ipc`: torch symmetric
 memory over CUDA IPC), which NCCL refuses ("Duplicate GPU detected").
 
-Runs `afd_ray.bench.cuda_ipc` (the serving path's `CudaIpcPair`) and
-`afd_ray.bench.decode_nvlink --one-gpu` (the typed NVLink pair) briefly: the FFN side
+Runs `afd_ray.bench.cuda_ipc` (the serving path's `CudaIpcPair`) briefly: the FFN side
 returns `2x + 1` for every layer, and the attention side checks every byte, eager and
 over 3 replays of a CUDA graph with new inputs each (the FFN side checks the top-k
 bytes it got). Skips visibly without CUDA.
@@ -42,17 +41,3 @@ def test_cuda_ipc_pair_exchanges_exact_bytes(tmp_path: Path) -> None:
     ])
     results = json.loads(out.read_text())
     assert proc.returncode == 0 and results["correct"], results
-
-
-def test_nvlink_pair_on_one_gpu_exchanges_exact_bytes(tmp_path: Path) -> None:
-    out = tmp_path / "nvlink.json"
-    cmd = [
-        sys.executable, "-m", "afd_ray.bench.decode_nvlink", "--one-gpu", "--out", str(out),
-        "--tokens", "1", "16", "128", "--layers", "4", "--iters", "3", "--warmup", "1",
-        "--writes", "copy", "--timeout-s", "200",
-    ]
-    proc = _run(cmd)
-    results = json.loads(out.read_text())
-    assert proc.returncode == 0, results.get("failed")
-    assert results["gpus"] == 1
-    assert results["correct"], results["correctness"]
