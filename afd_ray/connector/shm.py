@@ -33,7 +33,7 @@ import json
 import os
 import socket
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Literal
 
 import torch
@@ -92,7 +92,6 @@ class ShmPair:
     ) -> None:
         self._socks = socks
         self._peer = peer
-        self._slot = slot_bytes
         slots = region.view(len(socks), 2, slot_bytes)  # [U, direction (A2F, F2A), bytes]
         send, recv = (0, 1) if side == "attention" else (1, 0)
         self._send = [slots[u, send] for u in range(len(socks))]
@@ -106,18 +105,9 @@ class ShmPair:
         """Copy `tensors` (contiguous, any dtype) into this side's slot of `ubatch`
         and wake the peer; done on return (chunks wait for the peer's acks)."""
         contiguous(tensors)
-        sock, slot, offset = self._socks[ubatch], self._send[ubatch], 0
-        for tensor in tensors:
-            data = tensor.reshape(-1).view(torch.uint8)  # [nbytes]
-            pos = 0
-            while pos < data.numel():
-                if offset == self._slot:  # slot full: hand this chunk over, wait until read
-                    self._signal(sock, _MSG)
-                    self._expect(sock, _ACK)
-                    offset = 0
-                n = min(self._slot - offset, data.numel() - pos)
-                slot[offset : offset + n].copy_(data[pos : pos + n])
-                offset, pos = offset + n, pos + n
+        sock = self._socks[ubatch]
+        for data, room in _pieces(tensors, self._send[ubatch], lambda: self._hand_over(sock, _MSG, _ACK)):
+            room.copy_(data)
         self._signal(sock, _MSG)
         return _Done()
 
@@ -129,24 +119,21 @@ class ShmPair:
 
     def recv_now(self, outs: Sequence[torch.Tensor], ubatch: int) -> None:
         """Block until `ubatch`'s next message arrived and copy it into `outs`."""
-        sock, slot, offset = self._socks[ubatch], self._recv[ubatch], 0
+        sock = self._socks[ubatch]
         self._expect(sock, _MSG)
-        for out in outs:
-            data = out.reshape(-1).view(torch.uint8)  # [nbytes], aliases out
-            pos = 0
-            while pos < data.numel():
-                if offset == self._slot:  # chunk read: ask for the next one
-                    self._signal(sock, _ACK)
-                    self._expect(sock, _MSG)
-                    offset = 0
-                n = min(self._slot - offset, data.numel() - pos)
-                data[pos : pos + n].copy_(slot[offset : offset + n])
-                offset, pos = offset + n, pos + n
+        for data, room in _pieces(outs, self._recv[ubatch], lambda: self._hand_over(sock, _ACK, _MSG)):
+            data.copy_(room)
 
     def exchange(self, sends: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], ubatch: int) -> None:
         """`send(sends)` then receive the answer into `outs` (attention side)."""
         self.send(sends, ubatch)
         self.recv_now(outs, ubatch)
+
+    def _hand_over(self, sock: socket.socket, sent: bytes, expected: bytes) -> None:
+        """The slot is full: send `sent` (`M`: a chunk is ready; `A`: it was read),
+        then wait for the peer's `expected` answer."""
+        self._signal(sock, sent)
+        self._expect(sock, expected)
 
     def _signal(self, sock: socket.socket, byte: bytes) -> None:
         try:
@@ -178,6 +165,28 @@ class ShmPair:
                 pass  # the peer closed first: already shut
             sock.close()
         self._send, self._recv = [], []
+
+
+def _pieces(
+    tensors: Sequence[torch.Tensor], slot: torch.Tensor, slot_full: Callable[[], None]
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The bytes of `tensors` (contiguous), in order, paired with the bytes of `slot`
+    `[slot_bytes]` uint8 they travel through: `(data, room)` views of equal length,
+    `data` aliasing a tensor. The slot is filled from its start; when it is full and
+    bytes are left, `slot_full()` runs (the chunk hand-over) before the next piece,
+    which starts the slot again. The caller copies each piece (send: `room <- data`;
+    receive: `data <- room`) before asking for the next."""
+    offset = 0
+    for tensor in tensors:
+        data = tensor.reshape(-1).view(torch.uint8)  # [nbytes], aliases tensor
+        pos = 0
+        while pos < data.numel():
+            if offset == slot.numel():
+                slot_full()
+                offset = 0
+            n = min(slot.numel() - offset, data.numel() - pos)
+            yield data[pos : pos + n], slot[offset : offset + n]
+            offset, pos = offset + n, pos + n
 
 
 def _map(fd: int, nbytes: int) -> torch.Tensor:
