@@ -222,14 +222,20 @@ class AttentionChannel:
             address.host, address.store_port, is_master=False,
             timeout=timedelta(seconds=timeout_s),
         )
-        pair = _pair_store(self._store, peer, epoch)
-        pair.set(_TRANSPORT_KEY, transport)
         self._zmq = zmq.Context()
         self._push = self._zmq.socket(zmq.PUSH)
-        self._push.setsockopt(zmq.LINGER, 0)
-        self._push.connect(f"tcp://{address.host}:{address.control_port}")
-        self._push.send(StepHeader(HeaderKind.JOIN, peer, epoch).pack())
-        self._data = _open_pair(transport, pair, "attention", peer, timeout_s, ubatch_groups)
+        try:
+            pair = _pair_store(self._store, peer, epoch)
+            pair.set(_TRANSPORT_KEY, transport)
+            self._push.setsockopt(zmq.LINGER, 0)
+            self._push.connect(f"tcp://{address.host}:{address.control_port}")
+            self._push.send(StepHeader(HeaderKind.JOIN, peer, epoch).pack())
+            self._data = _open_pair(transport, pair, "attention", peer, timeout_s, ubatch_groups)
+        except BaseException:  # the pair never opened: release what was opened for it
+            self._push.close(linger=0)
+            self._zmq.term()
+            del self._store  # its connection closes with the last reference (the raised error's frames)
+            raise
         self._closed = False
 
     def send_header(self, num_tokens: int, first_layer: int = 0) -> StepHeader:
@@ -356,7 +362,9 @@ class FFNChannel:
 
     def admit(self, peer: int) -> None:
         """Open the data plane with attention rank `peer` under the epoch of its JOIN,
-        with the transport it announced (blocks until it joins).
+        with the transport it announced (blocks until it joins). On failure the JOIN
+        is forgotten: the peer's later STEP/LEAVE headers are dropped (rule 4) until
+        it joins again.
 
         Raises:
             PeerLostError: the peer did not rendezvous within the timeout.
@@ -365,11 +373,15 @@ class FFNChannel:
         self.remove(peer)  # a re-JOIN replaces the peer's older pairing
         pair = _pair_store(self._store, peer, self._peer_epochs[peer])
         try:
-            transport = pair.get(_TRANSPORT_KEY).decode()
-        except RuntimeError as exc:
-            raise PeerLostError(peer, f"no transport announced ({exc})") from exc
-        check_transport(transport, self._backend)
-        self._pairs[peer] = _open_pair(transport, pair, "ffn", peer, self._timeout_s, self._ubatch_groups)
+            try:
+                transport = pair.get(_TRANSPORT_KEY).decode()
+            except RuntimeError as exc:
+                raise PeerLostError(peer, f"no transport announced ({exc})") from exc
+            check_transport(transport, self._backend)
+            self._pairs[peer] = _open_pair(transport, pair, "ffn", peer, self._timeout_s, self._ubatch_groups)
+        except (PeerLostError, ValueError):
+            del self._peer_epochs[peer]
+            raise
         self._transports[peer] = transport  # type: ignore[assignment]
 
     def transport_of(self, peer: int) -> Transport:

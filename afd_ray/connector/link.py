@@ -195,7 +195,9 @@ class FFNLink(Protocol):
 
     def admit(self, peer: int) -> None:
         """Open the data plane with `peer` under the epoch of its last JOIN, with the
-        transport it announced (replaces an older pair of the same peer).
+        transport it announced (replaces an older pair of the same peer). On failure
+        the JOIN is forgotten, so the peer's later headers are dropped until it joins
+        again; the link keeps serving its other peers.
 
         Raises:
             PeerLostError: the peer did not rendezvous within the timeout.

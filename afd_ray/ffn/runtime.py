@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from afd_ray.connector.header import HeaderKind, StepHeader
-from afd_ray.connector.link import FFNLink
+from afd_ray.connector.link import FFNLink, PeerLostError
 from afd_ray.ffn.ep import EPGroup
 from afd_ray.ffn.graphs import DEFAULT_BUCKETS, FFNGraphs, graphs_supported
 from afd_ray.ffn.model import FFNStack
@@ -250,8 +250,15 @@ class FFNRuntime:
         return compute
 
     def _apply(self, header: StepHeader) -> None:
+        """Admit a JOIN's peer, or remove a LEAVE's. A peer that cannot be admitted
+        (it died before the rendezvous, or announced a transport this rank cannot
+        serve) is logged and skipped: the loop keeps serving the others."""
         if header.kind is HeaderKind.JOIN:
-            self.channel.admit(header.peer)
+            try:
+                self.channel.admit(header.peer)
+            except (PeerLostError, ValueError) as exc:
+                logger.warning("FFN did not admit attention rank %d (epoch %d): %s", header.peer, header.epoch, exc)
+                return
             logger.info("FFN admitted attention rank %d (epoch %d)", header.peer, header.epoch)
         else:
             self.channel.remove(header.peer)

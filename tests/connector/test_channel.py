@@ -2,37 +2,22 @@
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
+import os
 import threading
 import time
+import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
 
 from afd_ray.connector.channel import AttentionChannel, FFNAddress, FFNChannel
 from afd_ray.connector.header import HeaderKind, StepHeader
+from afd_ray.connector.link import PeerLostError
 
 H = 8
-
-
-@pytest.fixture(params=["gloo", "shm"])
-def transport(request: pytest.FixtureRequest) -> str:
-    """Every test runs over each CPU transport of the connector contract."""
-    return request.param
-
-
-def _open_pair(ffn: FFNChannel, peer: int, transport: str, epoch: int = 0) -> AttentionChannel:
-    """Attention side in this thread, FFN admission in another (both block until paired)."""
-    def admit() -> None:
-        header = ffn.recv_header(10)
-        assert header is not None and header.kind is HeaderKind.JOIN
-        ffn.admit(header.peer)
-
-    admitter = threading.Thread(target=admit)
-    admitter.start()
-    attention = AttentionChannel(ffn.address, peer, epoch, transport, timeout_s=10)
-    admitter.join(10)
-    return attention
 
 
 def test_header_wire_format_round_trips():
@@ -42,9 +27,9 @@ def test_header_wire_format_round_trips():
         StepHeader.unpack(b"\x00" * 8)
 
 
-def test_steps_of_varying_size_return_the_ffn_output(transport: str):
+def test_steps_of_varying_size_return_the_ffn_output(transport: str, open_pair: Callable[..., AttentionChannel]):
     ffn = FFNChannel("127.0.0.1", "gloo", timeout_s=10)
-    attention = _open_pair(ffn, 5, transport)
+    attention = open_pair(ffn, 5, transport)
     sizes = [1, 7, 64, 3]
 
     def serve() -> None:
@@ -70,9 +55,9 @@ def test_steps_of_varying_size_return_the_ffn_output(transport: str):
     ffn.close()
 
 
-def test_header_of_another_epoch_is_dropped(transport: str):
+def test_header_of_another_epoch_is_dropped(transport: str, open_pair: Callable[..., AttentionChannel]):
     ffn = FFNChannel("127.0.0.1", "gloo", timeout_s=10, epoch=1)
-    attention = _open_pair(ffn, 0, transport, epoch=1)
+    attention = open_pair(ffn, 0, transport, epoch=1)
     attention.epoch = 0  # a late sender still on the old epoch
     attention.send_header(4)
     assert ffn.recv_header(1) is None
@@ -108,3 +93,26 @@ def test_dead_attention_peer_fails_the_receive_instead_of_hanging(transport: str
     with pytest.raises(RuntimeError):
         ffn.recv_a2f(step.peer, torch.empty(step.num_tokens, H))
     assert time.monotonic() - start < 20
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_failed_rendezvous_releases_the_attention_side(transport: str):
+    """The FFN never admits: the attention side's rendezvous times out with the typed
+    error, and what it opened for the pair (ZMQ socket and context, store connection)
+    is closed, not left to the garbage collector (pyzmq warns about an unclosed one)."""
+    ffn = FFNChannel("127.0.0.1", "gloo", timeout_s=10)
+    before = _open_fds()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(PeerLostError, match="rendezvous|no shm"):
+            AttentionChannel(ffn.address, 0, 0, transport, timeout_s=1)
+        gc.collect()
+    assert [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)] == []
+    deadline = time.monotonic() + 5  # the store's server side closes its end asynchronously
+    while _open_fds() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _open_fds() == before
+    ffn.close()
