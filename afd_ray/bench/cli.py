@@ -31,20 +31,24 @@ from pathlib import Path
 from afd_ray.bench.config import BenchConfig, Topology
 from afd_ray.bench.schema import BenchResult
 from afd_ray.models import FAMILIES
+from afd_ray.models.shapes import SHAPES
 
 __all__ = ["build_parser", "format_table", "main"]
 
 SMOKE = {
-    "topologies": ("plain", "1A1F"), "concurrency": 1, "requests_per_stream": 1, "max_tokens": 4,
+    "topologies": ("plain", "1A1F"), "concurrency": (1,), "requests_per_stream": 1, "max_tokens": 4,
     "transport_microbench": False,
 }
 """`--smoke`: one short request per topology, plain and 1A:1F; flags given explicitly
 still win."""
 
 _FLAG_TYPES: dict[str, dict[str, object]] = {
-    "families": {"nargs": "+", "choices": (*FAMILIES, "smollm2", "smollm2-moe")},
+    "platform": {"choices": ("cpu", "cuda")},
+    "dtype": {"choices": ("float32", "bfloat16", "float16")},
+    "families": {"nargs": "+", "choices": (*FAMILIES, "smollm2", "smollm2-moe", *SHAPES)},
     "topologies": {"nargs": "+", "metavar": "LAYOUT"},
-    "concurrency": {"type": int},
+    "concurrency": {"type": int, "nargs": "+"},
+    "prompt_tokens": {"type": int},
     "requests_per_stream": {"type": int},
     "prompt": {},
     "max_tokens": {"type": int},
@@ -52,9 +56,12 @@ _FLAG_TYPES: dict[str, dict[str, object]] = {
     "ffn_threads": {"type": int},
     "plain_threads": {"type": int},
     "bundle_cpus": {"type": float},
+    "gpu_fraction": {"type": float},
+    "gpu_memory_utilization": {"type": float},
+    "enforce_eager": {"action": argparse.BooleanOptionalAction},
     "kv_cache_gib": {"type": float},
     "max_model_len": {"type": int},
-    "transport": {"choices": ("auto", "shm", "gloo")},
+    "transport": {"choices": ("auto", "shm", "gloo", "cuda_ipc")},
     "transport_microbench": {"action": argparse.BooleanOptionalAction},
     "seed": {"type": int},
     "checkpoints": {"type": Path},
@@ -74,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The parser; `BenchConfig` fields left out keep the model's defaults."""
     parser = argparse.ArgumentParser(
         prog="python -m afd_ray.bench",
-        description="CPU benchmark: plain vLLM vs AFD topologies under a fixed concurrent load.",
+        description="Benchmark: plain vLLM vs AFD topologies under a fixed concurrent load (CPU or CUDA).",
     )
     for name, options in _FLAG_TYPES.items():
         field = BenchConfig.model_fields[name]
@@ -105,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
 def format_table(result: BenchResult) -> str:
     """One line per run: throughput, latencies, FFN traffic and busy fraction."""
     header = (
-        f"{'family':<12}{'layout':<10}{'thr':>4}{'tok/s':>8}{'TTFT p50':>10}{'TPOT':>8}{'ITL p50':>9}"
+        f"{'family':<18}{'layout':<10}{'batch':>6}{'thr':>4}{'tok/s':>9}{'TTFT p50':>10}{'TPOT':>8}{'ITL p50':>9}"
         f"{'ITL p99':>9}{'tok/step':>10}{'B/step':>10}{'formula':>10}{'FFN busy':>10}"
     )
     lines = [header, "-" * len(header)]
@@ -117,12 +124,12 @@ def format_table(result: BenchResult) -> str:
         else:
             tokens = measured = formula = busy = "-"
         lines.append(
-            f"{run.family:<12}{run.label:<10}{run.threads:>4}{run.output_tokens_per_s:>8.1f}"
+            f"{run.family:<18}{run.label:<10}{run.concurrency:>6}{run.threads:>4}{run.output_tokens_per_s:>9.1f}"
             f"{run.ttft.p50_ms:>10.1f}{run.tpot.mean_ms:>8.1f}{run.itl.p50_ms:>9.1f}{run.itl.p99_ms:>9.1f}"
             f"{tokens:>10}{measured:>10}{formula:>10}{busy:>10}"
         )
     lines.append(
-        "times in ms (TPOT: mean over requests); tok/step and B/step (A2F+F2A) summed over FFN "
+        "batch: concurrent streams; times in ms (TPOT: mean over requests); tok/step and B/step (A2F+F2A) summed over FFN "
         "ranks; formula = 2 x L x N_tokens x H x bytes; FFN busy per rank"
     )
     return "\n".join(lines)

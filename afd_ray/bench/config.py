@@ -10,10 +10,12 @@ import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
+from afd_ray.config import DType
 from afd_ray.connector.link import TransportChoice
 from afd_ray.models import Family
+from afd_ray.models.shapes import Shape
 
 Embedded = Literal["smollm2", "smollm2-moe"]
 """An embedded checkpoint (`afd_ray.models.embedded`), benchmarked like a family."""
@@ -71,9 +73,18 @@ class BenchConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
-    families: tuple[Family | Embedded, ...] = Field(("qwen3_moe",), min_length=1)
-    """Checkpoints to serve, one after another: tiny families (`afd_ray.models.tiny`)
-    or the embedded SmolLM2 (`smollm2`) and its MoE upcycling (`smollm2-moe`)."""
+    platform: Literal["cpu", "cuda"] = "cpu"
+    """Where the engines run. `cuda`: every pool member (and the plain engine) gets a
+    `gpu_fraction` GPU bundle, so 1A:1F shares one GPU (`cuda_ipc` between the two;
+    start the NVIDIA MPS daemon first, see deployments/afd-cuda.yaml)."""
+
+    dtype: DType = "float32"
+    """Parameter and activation dtype of every engine (`ModelConfig.dtype`)."""
+
+    families: tuple[Family | Embedded | Shape, ...] = Field(("qwen3_moe",), min_length=1)
+    """Checkpoints to serve, one after another: tiny families (`afd_ray.models.tiny`),
+    the embedded SmolLM2 (`smollm2`) and its MoE upcycling (`smollm2-moe`), or a real
+    model's shape with random weights (`afd_ray.models.shapes`, `load_format: dummy`)."""
 
     topologies: tuple[Topology, ...] = Field(
         (Topology(attention=1, ffn=0), Topology(attention=1, ffn=1), Topology(attention=2, ffn=2)),
@@ -81,8 +92,15 @@ class BenchConfig(BaseModel):
     )
     """Layouts to deploy, one after another, for every family."""
 
-    concurrency: int = Field(4, ge=1)
-    """Concurrent request streams; each attention rank admits that many sequences."""
+    concurrency: tuple[PositiveInt, ...] = Field((4,), min_length=1)
+    """Concurrent request streams (the decode batch), one measured load per value on
+    the same deployment, in the order given; each attention rank admits the largest."""
+
+    prompt_tokens: int | None = Field(None, ge=1)
+    """If set, stream `i` sends `prompt_tokens` token ids of its own (seeded, distinct
+    per stream) instead of `prompt`; the warm-up round sends the same prompts, so the
+    measured requests find them in vLLM's prefix cache: TTFT is then a cache hit,
+    while every decode step still attends over the whole context of each sequence."""
 
     requests_per_stream: int = Field(4, ge=1)
     """Requests each stream sends one after another (measured)."""
@@ -107,7 +125,18 @@ class BenchConfig(BaseModel):
     of 1A:1F (one attention thread plus one FFN thread)."""
 
     bundle_cpus: float = Field(0.5, gt=0)
-    """Ray CPUs in each pool member's bundle (a scheduling unit, not a core pin)."""
+    """Ray CPUs in each pool member's bundle (a scheduling unit, not a core pin); CPU only."""
+
+    gpu_fraction: float = Field(0.5, gt=0, le=1)
+    """CUDA only: GPUs in each pool member's bundle (and the plain engine's); 0.5 puts
+    one attention rank and one FFN rank on one GPU."""
+
+    gpu_memory_utilization: float = Field(0.45, gt=0, le=1)
+    """CUDA only: `AttentionPoolConfig.gpu_memory_utilization` of the attention
+    engines; the plain engine, holding the whole model, gets twice this (at most 0.9)."""
+
+    enforce_eager: bool = True
+    """CUDA only: eager engines (no torch.compile / CUDA graphs on the attention side)."""
 
     kv_cache_gib: float = Field(0.25, gt=0)
     """KV-cache space of each engine, GiB."""
@@ -120,7 +149,8 @@ class BenchConfig(BaseModel):
 
     transport_microbench: bool = True
     """Also measure the A2F+F2A round trip per layer of every CPU transport
-    (`afd_ray.bench.transport`) before the serving runs."""
+    (`afd_ray.bench.transport`) before the serving runs; CPU only (skipped on `cuda`:
+    `python -m afd_ray.bench.cuda_ipc` measures the CUDA one)."""
 
     seed: int = 0
     """Weight seed of the tiny checkpoints."""

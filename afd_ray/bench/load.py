@@ -1,6 +1,7 @@
 """The fixed concurrent load: streaming `/v1/completions` requests over httpx/asyncio.
 
-`concurrency` streams each send `requests_per_stream` requests one after another;
+Each stream (one per request body: the concurrency) sends `requests_per_stream`
+requests one after another;
 each request streams (SSE) with `return_token_ids`, so every chunk says how many
 tokens it carries, and `stream_options.include_usage`, so the last chunk gives the
 totals. All times come from `time.perf_counter()` in this process.
@@ -12,6 +13,7 @@ import asyncio
 import itertools
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import httpx
@@ -88,26 +90,26 @@ async def _stream(
 async def run_load(
     base_url: str,
     path: str,
-    body: dict[str, object],
-    concurrency: int,
+    bodies: Sequence[dict[str, object]],
     requests_per_stream: int,
     timeout_s: float,
 ) -> LoadResult:
-    """Send `body` to `base_url + path` from `concurrency` streams, `requests_per_stream`
-    times each, and time every request.
+    """Send from one stream per entry of `bodies` (the concurrency), each stream its own
+    body `requests_per_stream` times one after another, to `base_url + path`, and time
+    every request.
 
-    `body` is an OpenAI completions request; streaming, token ids and usage are
+    Each body is an OpenAI completions request; streaming, token ids and usage are
     switched on here.
 
     Raises:
         LoadError: a request was answered with an error or an incomplete stream.
     """
-    body = body | {"stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
-    limits = httpx.Limits(max_connections=concurrency)
+    extra = {"stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+    limits = httpx.Limits(max_connections=len(bodies))
     async with httpx.AsyncClient(base_url=base_url, timeout=timeout_s, limits=limits) as client:
         start = time.perf_counter()
         streams = await asyncio.gather(
-            *(_stream(client, path, body, requests_per_stream) for _ in range(concurrency))
+            *(_stream(client, path, body | extra, requests_per_stream) for body in bodies)
         )
         wall = time.perf_counter() - start
     return LoadResult(wall, [timing for stream in streams for timing in stream])

@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 import platform
+import random
 import sys
 import time
 from collections.abc import Callable
@@ -40,6 +41,7 @@ from afd_ray.config import (
 )
 from afd_ray.control.membership import AFDStatus, FFNMember
 from afd_ray.models.embedded import prepare_smollm2, prepare_smollm2_moe
+from afd_ray.models.shapes import SHAPES, build_shape
 from afd_ray.models.tiny import build_tiny
 from afd_ray.serve.app import build_app
 
@@ -54,7 +56,7 @@ _SETTLE_READS = 20
 
 
 def machine() -> Machine:
-    """The CPU, memory and software versions of this machine."""
+    """The CPU, memory, GPU (if CUDA is available) and software versions of this machine."""
     cpuinfo = Path("/proc/cpuinfo").read_text()
     model = next(
         (line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")),
@@ -72,25 +74,35 @@ def machine() -> Machine:
         torch=torch.__version__,
         vllm=vllm.__version__,
         ray=ray.__version__,
+        gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     )
 
 
-def _app_config(cfg: BenchConfig, checkpoint: Path, topology: Topology) -> AFDConfig:
-    """The `AFDConfig` of one run; plain vLLM uses its model and attention sections."""
-    threads = cfg.plain_threads if topology.ffn == 0 else cfg.attention_threads
+def _app_config(cfg: BenchConfig, family: str, checkpoint: Path, topology: Topology) -> AFDConfig:
+    """The `AFDConfig` of one run; plain vLLM uses its model and attention sections.
+
+    On `cuda` every member's bundle is `cfg.gpu_fraction` GPU; the plain engine holds
+    the whole model, so it may take twice the attention engine's memory fraction."""
+    plain = topology.ffn == 0
+    threads = cfg.plain_threads if plain else cfg.attention_threads
+    cuda = cfg.platform == "cuda"
+    bundle = cfg.gpu_fraction if cuda else cfg.bundle_cpus
+    memory = min(0.9, 2 * cfg.gpu_memory_utilization) if plain else cfg.gpu_memory_utilization
     return AFDConfig(
-        platform="cpu",
-        model=ModelConfig(source=str(checkpoint), served_name=SERVED_NAME, max_model_len=cfg.max_model_len),
+        platform=cfg.platform,
+        model=ModelConfig(
+            source=str(checkpoint), served_name=SERVED_NAME, max_model_len=cfg.max_model_len, dtype=cfg.dtype,
+            load_format="dummy" if family in SHAPES else "auto",
+        ),
         attention=AttentionPoolConfig(
             num_ranks=topology.attention,
-            bundle_resources=cfg.bundle_cpus,
+            bundle_resources=bundle,
             kv_cache_gib=cfg.kv_cache_gib,
-            max_num_seqs=cfg.concurrency,
+            max_num_seqs=max(cfg.concurrency),
             num_threads=threads,
+            **({"gpu_memory_utilization": memory, "enforce_eager": cfg.enforce_eager} if cuda else {}),
         ),
-        ffn=FFNPoolConfig(
-            num_ranks=topology.ffn, bundle_resources=cfg.bundle_cpus, num_threads=cfg.ffn_threads
-        )
+        ffn=FFNPoolConfig(num_ranks=topology.ffn, bundle_resources=bundle, num_threads=cfg.ffn_threads)
         if topology.ffn
         else FFNPoolConfig(),
         connector=ConnectorConfig(transport=cfg.transport),
@@ -101,7 +113,10 @@ def _app_config(cfg: BenchConfig, checkpoint: Path, topology: Topology) -> AFDCo
 
 
 def _checkpoint(cfg: BenchConfig, family: str) -> Path:
-    """The folder of `family`: the embedded SmolLM2 (or its MoE), or a tiny one."""
+    """The folder of `family`: the embedded SmolLM2 (or its MoE), a model shape
+    (config and tokenizer only), or a tiny one."""
+    if family in SHAPES:
+        return build_shape(family, cfg.checkpoints / family)
     if family == "smollm2":
         return prepare_smollm2()
     if family == "smollm2-moe":
@@ -152,76 +167,89 @@ def _ffn_rank(
     )
 
 
-def _run_one(cfg: BenchConfig, family: str, checkpoint: Path, topology: Topology, base_url: str) -> RunResult:
-    app_cfg = _app_config(cfg, checkpoint, topology)
+def _prompts(cfg: BenchConfig, checkpoint: Path, streams: int) -> list[str | list[int]]:
+    """The prompt of each stream: `cfg.prompt` for all, or with `cfg.prompt_tokens`
+    that many token ids per stream, drawn from the vocabulary (ids 2 and up, past
+    bos/eos) by a generator seeded with `(cfg.seed, stream)`: distinct per stream and
+    the same in every run."""
+    if cfg.prompt_tokens is None:
+        return [cfg.prompt] * streams
+    vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
+    return [
+        random.Random(f"{cfg.seed}-{stream}").choices(range(2, vocab), k=cfg.prompt_tokens)
+        for stream in range(streams)
+    ]
+
+
+def _run_one(
+    cfg: BenchConfig, family: str, checkpoint: Path, topology: Topology, base_url: str
+) -> list[RunResult]:
+    """Deploy `topology`, measure one load per `cfg.concurrency` value, delete it."""
+    app_cfg = _app_config(cfg, family, checkpoint, topology)
     name = f"bench-{family}-{topology.label}".lower().replace("_", "-")
     route = f"/{name}"
     app = build_plain_app(app_cfg) if topology.ffn == 0 else build_app(app_cfg.model_dump())
-    body = {
-        "model": SERVED_NAME,
-        "prompt": cfg.prompt,
-        "max_tokens": cfg.max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-    }
+    prompts = _prompts(cfg, checkpoint, max(cfg.concurrency))
+    body = {"model": SERVED_NAME, "max_tokens": cfg.max_tokens, "temperature": 0, "ignore_eos": True}
 
-    def load(requests_per_stream: int) -> LoadResult:
+    def load(concurrency: int, requests_per_stream: int) -> LoadResult:
+        bodies = [body | {"prompt": prompt} for prompt in prompts[:concurrency]]
         return asyncio.run(
-            run_load(
-                base_url,
-                f"{route}/v1/completions",
-                body,
-                cfg.concurrency,
-                requests_per_stream,
-                cfg.request_timeout_s,
-            )
+            run_load(base_url, f"{route}/v1/completions", bodies, requests_per_stream, cfg.request_timeout_s)
         )
 
     start = time.perf_counter()
     serve.run(app, name=name, route_prefix=route)
     deploy_s = time.perf_counter() - start
+    measured: list[tuple[int, LoadResult, AFDStatus, AFDStatus, tuple[float, float]]] = []
     try:
         with httpx.Client(base_url=base_url, timeout=cfg.request_timeout_s) as http:
-            load(1)  # warm-up, not measured
-            before = _settled_status(http, route)
-            load_before = os.getloadavg()[0]
-            result = load(cfg.requests_per_stream)
-            load_after = os.getloadavg()[0]
-            after = _settled_status(http, route)
+            for concurrency in cfg.concurrency:
+                load(concurrency, 1)  # warm-up (and prefix cache fill), not measured
+                before = _settled_status(http, route)
+                load_before = os.getloadavg()[0]
+                result = load(concurrency, cfg.requests_per_stream)
+                load_after = os.getloadavg()[0]
+                after = _settled_status(http, route)
+                measured.append((concurrency, result, before, after, (load_before, load_after)))
     finally:
         serve.delete(name)
 
     model_config = json.loads((checkpoint / "config.json").read_text())
     layers, hidden = model_config["num_hidden_layers"], model_config["hidden_size"]
     elem = getattr(torch, app_cfg.model.dtype).itemsize
-    ffn = [
-        _ffn_rank(b, a, result.wall_s, layers, hidden, elem)
-        for b, a in zip(before.ffn, after.ffn, strict=True)
-    ]
-    requests = result.requests
-    output_tokens = sum(r.output_tokens for r in requests)
-    return RunResult(
-        family=family,
-        topology=topology,
-        label=topology.label,
-        threads=app_cfg.attention.num_threads * topology.attention + app_cfg.ffn.num_threads * topology.ffn,
-        deploy_s=deploy_s,
-        requests=len(requests),
-        output_tokens=output_tokens,
-        prompt_tokens=requests[0].prompt_tokens,
-        wall_s=result.wall_s,
-        output_tokens_per_s=output_tokens / result.wall_s,
-        ttft=Latency.of([r.ttft_s for r in requests]),
-        tpot=Latency.of([r.tpot_s for r in requests]),
-        itl=Latency.of([gap for r in requests for gap in r.itl_s]),
-        e2e=Latency.of([r.e2e_s for r in requests]),
-        load_average_1m=(load_before, load_after),
-        ffn=ffn,
-        measured_bytes_per_step=sum(r.a2f_bytes_per_step + r.f2a_bytes_per_step for r in ffn)
-        if ffn
-        else None,
-        formula_bytes_per_step=sum(r.formula_bytes_per_step for r in ffn) if ffn else None,
-    )
+    runs = []
+    for concurrency, result, before, after, load_average in measured:
+        ffn = [
+            _ffn_rank(b, a, result.wall_s, layers, hidden, elem)
+            for b, a in zip(before.ffn, after.ffn, strict=True)
+        ]
+        requests = result.requests
+        output_tokens = sum(r.output_tokens for r in requests)
+        runs.append(RunResult(
+            family=family,
+            topology=topology,
+            label=topology.label,
+            concurrency=concurrency,
+            threads=app_cfg.attention.num_threads * topology.attention + app_cfg.ffn.num_threads * topology.ffn,
+            deploy_s=deploy_s,
+            requests=len(requests),
+            output_tokens=output_tokens,
+            prompt_tokens=requests[0].prompt_tokens,
+            wall_s=result.wall_s,
+            output_tokens_per_s=output_tokens / result.wall_s,
+            ttft=Latency.of([r.ttft_s for r in requests]),
+            tpot=Latency.of([r.tpot_s for r in requests]),
+            itl=Latency.of([gap for r in requests for gap in r.itl_s]),
+            e2e=Latency.of([r.e2e_s for r in requests]),
+            load_average_1m=load_average,
+            ffn=ffn,
+            measured_bytes_per_step=sum(r.a2f_bytes_per_step + r.f2a_bytes_per_step for r in ffn)
+            if ffn
+            else None,
+            formula_bytes_per_step=sum(r.formula_bytes_per_step for r in ffn) if ffn else None,
+        ))
+    return runs
 
 
 def run_benchmark(cfg: BenchConfig, base_url: str, progress: Callable[[str], None] = print) -> BenchResult:
@@ -238,7 +266,7 @@ def run_benchmark(cfg: BenchConfig, base_url: str, progress: Callable[[str], Non
         TimeoutError: FFN counters did not settle after a load.
     """
     transport = None
-    if cfg.transport_microbench:
+    if cfg.transport_microbench and cfg.platform == "cpu":
         progress("afd_ray.bench: transport round trips ...")
         transport = TransportResult.model_validate(run_transport_microbench())
     runs = []
@@ -246,9 +274,12 @@ def run_benchmark(cfg: BenchConfig, base_url: str, progress: Callable[[str], Non
         checkpoint = _checkpoint(cfg, family)
         for topology in cfg.topologies:
             progress(f"afd_ray.bench: {family} {topology.label} ...")
-            run = _run_one(cfg, family, checkpoint, topology, base_url)
-            progress(f"afd_ray.bench: {family} {topology.label}: {run.output_tokens_per_s:.1f} output tok/s")
-            runs.append(run)
+            for run in _run_one(cfg, family, checkpoint, topology, base_url):
+                progress(
+                    f"afd_ray.bench: {family} {topology.label} batch {run.concurrency}: "
+                    f"{run.output_tokens_per_s:.1f} output tok/s, TPOT {run.tpot.mean_ms:.2f} ms"
+                )
+                runs.append(run)
     return BenchResult(
         created=datetime.now(UTC).isoformat(timespec="seconds"), machine=machine(), config=cfg, runs=runs,
         transport=transport,

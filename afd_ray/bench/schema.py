@@ -15,8 +15,9 @@ from afd_ray.bench.config import BenchConfig, Topology
 
 __all__ = ["SCHEMA_VERSION", "BenchResult", "FFNRankResult", "Latency", "Machine", "RunResult", "TransportResult"]
 
-SCHEMA_VERSION = 1
-"""Bumped whenever a field changes meaning or is removed."""
+SCHEMA_VERSION = 2
+"""Bumped whenever a field changes meaning or is removed (2: `config.concurrency` is
+a tuple, one run per value, `RunResult.concurrency`; `Machine.gpu`)."""
 
 
 class _Record(BaseModel):
@@ -60,6 +61,8 @@ class Machine(_Record):
     torch: str
     vllm: str
     ray: str
+    gpu: str | None = None
+    """Name of CUDA device 0 (`torch.cuda.get_device_name`) on a `cuda` run; None on CPU."""
 
 
 class FFNRankResult(_Record):
@@ -90,6 +93,8 @@ class RunResult(_Record):
     topology: Topology
     label: str
     """`plain` or `<A>A<F>F`."""
+    concurrency: int
+    """Concurrent request streams of this load (one value of `config.concurrency`)."""
     threads: int
     """Torch threads of all pool members together (engines + FFN ranks)."""
     deploy_s: float

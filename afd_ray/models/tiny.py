@@ -7,7 +7,10 @@ DeepSeek-V2 (MLA, shared expert, group-limited greedy routing) and DeepSeek-V3 (
 with a q LoRA, shared expert, grouped sigmoid routing with a score-correction bias).
 
 The DeepSeek models keep `kv_lora_rank=512` and `qk_rope_head_dim=64`: vLLM's CPU MLA
-kernel only supports a latent size of 576.
+kernel only supports a latent size of 576. On CUDA, vLLM's MLA prefill
+(`FLASH_ATTN`, vLLM 0.26 `mla/prefill/flash_attn.py`) accepts only DeepSeek's own
+head sizes (qk_nope 128, qk_rope 64, v 128) among the small ones, so
+`cuda_mla_heads=True` builds the DeepSeek families with those.
 """
 
 from __future__ import annotations
@@ -73,8 +76,10 @@ _MLA = dict(
 )
 
 
-def tiny_config(family: Family) -> PreTrainedConfig:
-    """The transformers config of one tiny family (float32, vocab 512, hidden 128).
+def tiny_config(family: Family, cuda_mla_heads: bool = False) -> PreTrainedConfig:
+    """The transformers config of one tiny family (float32, vocab 512, hidden 128);
+    with `cuda_mla_heads`, the DeepSeek families get DeepSeek's MLA head sizes
+    (qk_nope 128, v 128) that vLLM's CUDA MLA prefill needs.
 
     Raises:
         ValueError: unknown `family`.
@@ -97,10 +102,11 @@ def tiny_config(family: Family) -> PreTrainedConfig:
             num_experts_per_tok=2,
             norm_topk_prob=True,
         )
+    mla = _MLA | ({"qk_nope_head_dim": 128, "v_head_dim": 128} if cuda_mla_heads else {})
     if family == "deepseek_v3":
         config = DeepseekV3Config(
             **_COMMON,
-            **_MLA,
+            **mla,
             q_lora_rank=64,
             norm_topk_prob=True,
             routed_scaling_factor=2.5,
@@ -113,7 +119,7 @@ def tiny_config(family: Family) -> PreTrainedConfig:
     if family == "deepseek_v2":
         config = DeepseekV2Config(
             **_COMMON,
-            **_MLA,
+            **mla,
             q_lora_rank=None,
             topk_method="group_limited_greedy",
             norm_topk_prob=False,
@@ -179,8 +185,8 @@ def _init_weights(model: torch.nn.Module, seed: int) -> None:
             t.zero_()
 
 
-def _build(family: Family, seed: int, out: Path) -> None:
-    config = tiny_config(family)
+def _build(family: Family, seed: int, out: Path, cuda_mla_heads: bool) -> None:
+    config = tiny_config(family, cuda_mla_heads)
     tokenizer = train_tokenizer()
     if len(tokenizer) > config.vocab_size:
         raise RuntimeError(f"tokenizer has {len(tokenizer)} tokens > vocab {config.vocab_size}")
@@ -188,16 +194,20 @@ def _build(family: Family, seed: int, out: Path) -> None:
     _init_weights(model, seed)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    (out / BUILD_INFO).write_text(json.dumps({"family": family, "seed": seed}) + "\n")
+    (out / BUILD_INFO).write_text(json.dumps(_build_info(family, seed, cuda_mla_heads)) + "\n")
 
 
-def build_tiny(family: Family, out_dir: Path, seed: int = 0) -> Path:
+def _build_info(family: Family, seed: int, cuda_mla_heads: bool) -> dict[str, object]:
+    return {"family": family, "seed": seed} | ({"cuda_mla_heads": True} if cuda_mla_heads else {})
+
+
+def build_tiny(family: Family, out_dir: Path, seed: int = 0, cuda_mla_heads: bool = False) -> Path:
     """Build the tiny `family` checkpoint into `out_dir` (once) and return `out_dir`.
 
     The folder holds `config.json`, `model.safetensors` (float32, about 1-4 MB),
     `generation_config.json`, the tokenizer of `train_tokenizer()` and `BUILD_INFO`.
-    The same `(family, seed)` gives byte-identical weights; a folder already built
-    from them is reused.
+    The same `(family, seed, cuda_mla_heads)` gives byte-identical weights; a folder
+    already built from them is reused. `cuda_mla_heads`: see `tiny_config`.
 
     Raises:
         ValueError: unknown `family`.
@@ -209,9 +219,9 @@ def build_tiny(family: Family, out_dir: Path, seed: int = 0) -> Path:
     if is_checkpoint(out_dir):
         info = out_dir / BUILD_INFO
         built = json.loads(info.read_text()) if info.is_file() else None
-        if built != {"family": family, "seed": seed}:
+        if built != _build_info(family, seed, cuda_mla_heads):
             raise FileExistsError(
                 f"{out_dir} already holds a checkpoint ({built or 'not a tiny build'}), "
-                f"not tiny {family} seed {seed}"
+                f"not tiny {family} seed {seed}{' with cuda_mla_heads' if cuda_mla_heads else ''}"
             )
-    return build_once(Path(out_dir), lambda tmp: _build(family, seed, tmp))
+    return build_once(Path(out_dir), lambda tmp: _build(family, seed, tmp, cuda_mla_heads))

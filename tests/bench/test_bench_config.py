@@ -41,3 +41,17 @@ def test_latency_summary_in_milliseconds() -> None:
     assert summary.count == 3
     assert summary.mean_ms == pytest.approx(20.0) and summary.p50_ms == pytest.approx(20.0)
     assert Latency.of([0.005]).p99_ms == pytest.approx(5.0)  # one sample: its own percentiles
+
+
+def test_several_batches_and_cuda_settings_parse_from_the_command_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    from afd_ray.bench.cli import build_parser
+
+    args = vars(build_parser().parse_args([
+        "--platform", "cuda", "--dtype", "bfloat16", "--families", "deepseek-v2-lite", "--concurrency", "16", "64",
+        "--prompt-tokens", "4096", "--gpu-fraction", "0.5", "--no-enforce-eager",
+    ]))
+    cfg = BenchConfig.model_validate({k: v for k, v in args.items() if k not in ("out", "ray_address", "serve_url", "smoke")})
+    assert (cfg.platform, cfg.dtype, cfg.families, cfg.concurrency) == ("cuda", "bfloat16", ("deepseek-v2-lite",), (16, 64))
+    assert (cfg.prompt_tokens, cfg.gpu_fraction, cfg.enforce_eager) == (4096, 0.5, False)
+    with pytest.raises(ValidationError, match="concurrency"):
+        BenchConfig(concurrency=())

@@ -5,8 +5,10 @@ same GPU: the attention engine (vLLM, `AttentionServer`) and the FFN rank
 
 - tiny Llama and tiny Qwen3-MoE in float32 (vLLM picks a float32-capable attention
   backend for both engines): greedy tokens equal;
-- (bfloat16 families: greedy tokens equal for >= 95% of positions; the prompt
-  logprobs' max abs difference is printed and recorded for every family.)
+- tiny DeepSeek-V3 (MLA) in bfloat16, built with DeepSeek's MLA head sizes
+  (`build_tiny(..., cuda_mla_heads=True)`: vLLM's CUDA MLA prefill needs them):
+  greedy tokens equal for >= 95% of positions; the prompt logprobs' max abs
+  difference is printed and recorded for every family.
 
 Eager engines (`CASES` says which cases are still missing and why). Needs CUDA, vLLM and Ray (the device pack); run with
 the NVIDIA MPS daemon up for speed (it is correct without). Skips visibly elsewhere.
@@ -34,15 +36,12 @@ pytestmark = [
 PROMPTS = ["The quick brown fox", "def main():", "Hello, my name is", "import os", "class Node:", "In the beginning"]
 LENGTHS = [4, 24, 9, 16, 31, 12]
 FAMILIES = {"llama": "float32", "qwen3_moe": "float32", "deepseek_v3": "bfloat16"}
-CASES = [("llama", True), ("qwen3_moe", True)]
-"""(family, eager). Not here yet, both seen failing on an H200 with vLLM 0.26.0:
-- CUDA graphs on the attention side (vLLM's piecewise capture split at
-  `afd_ray::remote_ffn`): 0 of 96 tokens equal, because the op returns a new tensor
-  each call while the next captured piece replays reading the address it saw at
-  capture; it needs an out-variant op writing into a buffer of the previous piece.
-- tiny DeepSeek-V3 in bfloat16: vLLM 0.26 on CUDA has no MLA prefill backend for its
-  head sizes (qk_nope 32, v 32; FLASH_ATTN wants DeepSeek's real ones), plain vLLM
-  fails the same way; it needs a GPU tiny config with the real MLA head sizes."""
+CASES = [("llama", True), ("qwen3_moe", True), ("deepseek_v3", True)]
+"""(family, eager). Not here yet: CUDA graphs on the attention side (vLLM's piecewise
+capture split at `afd_ray::remote_ffn`), seen failing on an H200 with vLLM 0.26.0:
+0 of 96 tokens equal, because the op returns a new tensor each call while the next
+captured piece replays reading the address it saw at capture; it needs an
+out-variant op writing into a buffer of the previous piece."""
 BF16_MIN_EQUAL = 0.95
 
 
@@ -100,7 +99,7 @@ def test_afd_on_one_gpu_equals_plain_vllm(serve_url: str, family: str, eager: bo
     from afd_ray.serve.app import build_app
 
     dtype = FAMILIES[family]
-    checkpoint = Path(build_tiny(family, tmp_path / family))
+    checkpoint = Path(build_tiny(family, tmp_path / family, cuda_mla_heads=family.startswith("deepseek")))
     expected, expected_logprobs = _plain(checkpoint, dtype, eager)
     args = {
         "platform": "cuda",

@@ -113,3 +113,15 @@ def test_cli_models_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
 def test_cli_models_prepare(smollm2_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["models", "prepare", "smollm2"]) == 0
     assert capsys.readouterr().out.strip() == str(smollm2_dir)
+
+
+def test_cuda_mla_heads_give_deepseeks_head_sizes(tmp_path: Path) -> None:
+    """vLLM's CUDA MLA prefill takes DeepSeek's own head sizes only; the build records them."""
+    folder = build_tiny("deepseek_v3", tmp_path / "v3", cuda_mla_heads=True)
+    config = AutoConfig.from_pretrained(folder)
+    assert (config.kv_lora_rank, config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim) == (512, 128, 64, 128)
+    assert json.loads((folder / BUILD_INFO).read_text()) == {"family": "deepseek_v3", "seed": 0, "cuda_mla_heads": True}
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    assert torch.isfinite(model(torch.tensor([[0, 5, 9]])).logits).all()
+    with pytest.raises(FileExistsError, match="cuda_mla_heads"):
+        build_tiny("deepseek_v3", folder)

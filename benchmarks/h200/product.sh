@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The product benchmark on one H200, after the device pack is installed into /tmp/site
+# (shared/GPU.md): plain vLLM vs AFD 1A:1F on the same GPU (0.5-GPU bundles, cuda_ipc
+# under NVIDIA MPS), through the real Serve app, with random weights of a real model's
+# shape (`afd_ray.models.shapes`, `load_format: dummy`). Run from the repo root:
+#   bash benchmarks/h200/product.sh OUT [PART ...]
+# PARTs (default: dsv2):
+#   dsv2   DeepSeek-V2-Lite shape, bf16, eager, batch 16/64/256, 4096-token prompts
+#   qwen3  Qwen3-30B-A3B shape, bf16, eager, batch 16/64/256, 1536-token prompts (its
+#          GQA KV cache, 96 KiB/token, leaves no room for 256 x 4K beside 58 GB of experts)
+#   mla    tests/gpu/test_serve_one_gpu.py: tiny llama/qwen3_moe (float32) and tiny
+#          DeepSeek-V3 (MLA, bf16) through Serve on one GPU vs plain vLLM
+# Each prompt is distinct per stream; the unmeasured warm-up round sends the same
+# prompts, so the measured round's prefill is a prefix-cache hit and its TPOT is decode
+# over the full context. Exit status: the number of failed parts.
+out=${1:?result folder}; shift
+parts=${*:-dsv2}
+export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 VLLM_USE_FLASHINFER_SAMPLER=0
+export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+failed=0
+run() {  # run NAME SECONDS CMD...: run CMD under a bound, log to $out/NAME.log
+  local name=$1 limit=$2; shift 2
+  echo "=== $name ($(date -u +%T))"
+  timeout -k 10 "$limit" "$@" 2>&1 | tee "$out/$name.log" | grep -E "afd_ray.bench|SERVE_ONE_GPU|passed|failed|Error|error" | tail -n 40
+  local rc=${PIPESTATUS[0]}
+  echo "=== $name rc=$rc ($(date -u +%T))"
+  [ $rc -eq 0 ] || { failed=$((failed + 1)); tail -n 30 "$out/$name.log"; }
+}
+bench() {  # bench NAME SECONDS SHAPE PROMPT_TOKENS KV_GIB GPU_MEMORY_UTILIZATION
+  run "$1" "$2" python3 -m afd_ray.bench --platform cuda --dtype bfloat16 --families "$3" \
+    --topologies plain 1A1F --concurrency 16 64 256 --prompt-tokens "$4" --max-tokens 128 \
+    --requests-per-stream 1 --max-model-len $(($4 + 256)) --kv-cache-gib "$5" \
+    --gpu-memory-utilization "$6" --checkpoints /tmp/afd-shapes --request-timeout-s 400 \
+    --out "$out/$1.json"
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
+pgrep -x nvidia-cuda-mps-control >/dev/null || nvidia-cuda-mps-control -d && echo "MPS daemon up"
+for part in $parts; do
+  case $part in
+    dsv2) bench product-dsv2 520 deepseek-v2-lite 4096 40 0.45 ;;
+    qwen3) bench product-qwen3 420 qwen3-30b-a3b 1536 44 0.4 ;;
+    mla) run mla 300 python3 -m pytest tests/gpu/test_serve_one_gpu.py --confcutdir=tests/gpu -rs -q -s \
+        -p no:cacheprovider ;;
+    *) echo "unknown part $part"; failed=$((failed + 1)) ;;
+  esac
+done
+exit $failed
