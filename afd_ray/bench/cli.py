@@ -58,6 +58,7 @@ _FLAG_TYPES: dict[str, dict[str, object]] = {
     "bundle_cpus": {"type": float},
     "gpu_fraction": {"type": float},
     "gpu_memory_utilization": {"type": float},
+    "plain_gpu_memory_utilization": {"type": float},
     "enforce_eager": {"action": argparse.BooleanOptionalAction},
     "kv_cache_gib": {"type": float},
     "max_model_len": {"type": int},

@@ -133,7 +133,10 @@ class BenchConfig(BaseModel):
 
     gpu_memory_utilization: float = Field(0.45, gt=0, le=1)
     """CUDA only: `AttentionPoolConfig.gpu_memory_utilization` of the attention
-    engines; the plain engine, holding the whole model, gets twice this (at most 0.9)."""
+    engines (free GPU memory they need at start, beside the FFN rank's experts)."""
+
+    plain_gpu_memory_utilization: float = Field(0.8, gt=0, le=1)
+    """CUDA only: the same for the plain engine, which holds the whole model."""
 
     enforce_eager: bool = True
     """CUDA only: eager engines (no torch.compile / CUDA graphs on the attention side)."""

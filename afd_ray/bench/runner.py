@@ -81,13 +81,12 @@ def machine() -> Machine:
 def _app_config(cfg: BenchConfig, family: str, checkpoint: Path, topology: Topology) -> AFDConfig:
     """The `AFDConfig` of one run; plain vLLM uses its model and attention sections.
 
-    On `cuda` every member's bundle is `cfg.gpu_fraction` GPU; the plain engine holds
-    the whole model, so it may take twice the attention engine's memory fraction."""
+    On `cuda` every member's bundle (and the plain engine's) is `cfg.gpu_fraction` GPU."""
     plain = topology.ffn == 0
     threads = cfg.plain_threads if plain else cfg.attention_threads
     cuda = cfg.platform == "cuda"
     bundle = cfg.gpu_fraction if cuda else cfg.bundle_cpus
-    memory = min(0.9, 2 * cfg.gpu_memory_utilization) if plain else cfg.gpu_memory_utilization
+    memory = cfg.plain_gpu_memory_utilization if plain else cfg.gpu_memory_utilization
     return AFDConfig(
         platform=cfg.platform,
         model=ModelConfig(

@@ -5,11 +5,13 @@
 # shape (`afd_ray.models.shapes`, `load_format: dummy`). Run from the repo root:
 #   bash benchmarks/h200/product.sh OUT [PART ...]
 # PARTs (default: dsv2):
-#   dsv2   DeepSeek-V2-Lite shape, bf16, eager, batch 16/64/256, 4096-token prompts
-#   qwen3  Qwen3-30B-A3B shape, bf16, eager, batch 16/64/256, 1536-token prompts (its
-#          GQA KV cache, 96 KiB/token, leaves no room for 256 x 4K beside 58 GB of experts)
-#   mla    tests/gpu/test_serve_one_gpu.py: tiny llama/qwen3_moe (float32) and tiny
-#          DeepSeek-V3 (MLA, bf16) through Serve on one GPU vs plain vLLM
+#   dsv2   DeepSeek-V2-Lite shape, bf16, eager, batch 16/64/256, 4096-token prompts,
+#          128 output tokens (MLA KV: 31 KiB/token, 256 x 4224 tokens in 40 GiB)
+#   qwen3  Qwen3-30B-A3B shape, the same with 1280-token prompts (its GQA KV cache,
+#          96 KiB/token, leaves no room for 256 x 4K beside its 58 GB of experts)
+#   mla    tests/gpu/test_serve_one_gpu.py -k deepseek: tiny DeepSeek-V3 (MLA, bf16)
+#          through Serve on one GPU vs plain vLLM
+# Time limits per part: DSV2_S, QWEN3_S seconds (defaults 500, 420).
 # Each prompt is distinct per stream; the unmeasured warm-up round sends the same
 # prompts, so the measured round's prefill is a prefix-cache hit and its TPOT is decode
 # over the full context. Exit status: the number of failed parts.
@@ -27,11 +29,11 @@ run() {  # run NAME SECONDS CMD...: run CMD under a bound, log to $out/NAME.log
   echo "=== $name rc=$rc ($(date -u +%T))"
   [ $rc -eq 0 ] || { failed=$((failed + 1)); tail -n 30 "$out/$name.log"; }
 }
-bench() {  # bench NAME SECONDS SHAPE PROMPT_TOKENS KV_GIB GPU_MEMORY_UTILIZATION
+bench() {  # bench NAME SECONDS SHAPE PROMPT_TOKENS KV_GIB ATTENTION_MEMORY PLAIN_MEMORY (GPU fractions)
   run "$1" "$2" python3 -m afd_ray.bench --platform cuda --dtype bfloat16 --families "$3" \
     --topologies plain 1A1F --concurrency 16 64 256 --prompt-tokens "$4" --max-tokens 128 \
     --requests-per-stream 1 --max-model-len $(($4 + 256)) --kv-cache-gib "$5" \
-    --gpu-memory-utilization "$6" --checkpoints /tmp/afd-shapes --request-timeout-s 400 \
+    --gpu-memory-utilization "$6" --plain-gpu-memory-utilization "$7" --checkpoints /tmp/afd-shapes --request-timeout-s 400 \
     --out "$out/$1.json"
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -39,10 +41,10 @@ mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
 pgrep -x nvidia-cuda-mps-control >/dev/null || nvidia-cuda-mps-control -d && echo "MPS daemon up"
 for part in $parts; do
   case $part in
-    dsv2) bench product-dsv2 520 deepseek-v2-lite 4096 40 0.45 ;;
-    qwen3) bench product-qwen3 420 qwen3-30b-a3b 1536 44 0.4 ;;
-    mla) run mla 300 python3 -m pytest tests/gpu/test_serve_one_gpu.py --confcutdir=tests/gpu -rs -q -s \
-        -p no:cacheprovider ;;
+    dsv2) bench product-dsv2 "${DSV2_S:-500}" deepseek-v2-lite 4096 40 0.45 0.6 ;;
+    qwen3) bench product-qwen3 "${QWEN3_S:-420}" qwen3-30b-a3b 1280 38 0.35 0.8 ;;
+    mla) run mla 240 python3 -m pytest tests/gpu/test_serve_one_gpu.py --confcutdir=tests/gpu -rs -q -s \
+        -p no:cacheprovider -k deepseek ;;
     *) echo "unknown part $part"; failed=$((failed + 1)) ;;
   esac
 done
