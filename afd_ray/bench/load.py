@@ -73,6 +73,8 @@ async def _request(client: httpx.AsyncClient, path: str, body: dict[str, object]
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line.removeprefix("data: "))
+            if "error" in chunk:
+                raise LoadError(f"POST {path}: error in the stream: {chunk['error']}")
             if chunk["choices"] and chunk["choices"][0].get("token_ids"):
                 token_times.append(time.perf_counter())
             usage = chunk.get("usage") or usage

@@ -55,14 +55,17 @@ def shape_config(shape: Shape, num_hidden_layers: int | None = None):  # -> PreT
         )
         config.scoring_func = "softmax"  # read by vLLM
         config.moe_layer_freq = 1
+        config.architectures = ["DeepseekV2ForCausalLM"]  # vLLM picks its model class by this
         return config
     if shape == "qwen3-30b-a3b":
-        return Qwen3MoeConfig(
+        config = Qwen3MoeConfig(
             **common, vocab_size=151936, intermediate_size=6144, moe_intermediate_size=768,
             num_hidden_layers=num_hidden_layers or 48, num_attention_heads=32, num_key_value_heads=4,
             head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, rope_theta=1e6,
             decoder_sparse_step=1, mlp_only_layers=[],
         )
+        config.architectures = ["Qwen3MoeForCausalLM"]
+        return config
     raise ValueError(f"unknown model shape {shape!r}; expected one of {SHAPES}")
 
 

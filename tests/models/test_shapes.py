@@ -25,6 +25,7 @@ EXPECTED = {  # from the models' own config.json on the Hugging Face hub
 def test_shape_config_is_the_real_models(shape: str) -> None:
     config = shape_config(shape)
     assert {key: getattr(config, key) for key in EXPECTED[shape]} == EXPECTED[shape]
+    assert config.architectures == [{"deepseek-v2-lite": "DeepseekV2ForCausalLM", "qwen3-30b-a3b": "Qwen3MoeForCausalLM"}[shape]]
 
 
 def test_shape_folder_has_the_config_and_a_full_vocab_tokenizer(tmp_path: Path) -> None:
