@@ -175,6 +175,11 @@ class FFNPoolConfig(_Section):
     placement: PoolPlacement = PoolPlacement()
     """Ray nodes the FFN ranks may run on (default: any)."""
 
+    heartbeat_timeout_s: float = Field(10.0, gt=0)
+    """An FFN rank that sent no report (every 0.2 s) for this long is dead: the
+    coordinator removes it from the layout (a killed replica is found sooner, from
+    Serve's replica states), seconds."""
+
     ep_idle_check_us: int = Field(2000, ge=100)
     """With several FFN ranks (EP), how often an idle rank checks in with its EP
     group, microseconds; bounds how long a busy rank waits for the idle ones."""
@@ -209,7 +214,34 @@ class IngressConfig(_Section):
 
     max_ongoing_requests: int = Field(256, ge=1)
     """HTTP requests one ingress replica holds at once, open streams included;
-    beyond it Serve's proxy queues them."""
+    beyond it Serve's proxy queues them. Must exceed the admission capacity
+    (`attention.max_ranks` x (`attention.max_num_seqs` + `max_queued_per_rank`)), so
+    that requests over it reach the ingress and are refused instead of queued."""
+
+    max_queued_per_rank: int = Field(16, ge=0)
+    """Admission: requests per READY attention rank that may wait for an engine slot
+    beyond `attention.max_num_seqs`; a request past `ranks x (max_num_seqs +
+    max_queued_per_rank)` in flight is refused (429)."""
+
+    max_kv_cache_usage: float = Field(0.95, gt=0, le=1)
+    """Admission: no new request while the attention ranks' KV-cache usage (mean of
+    their latest reports, vLLM `kv_cache_usage`) is at or above this fraction."""
+
+    max_ffn_tokens_per_step: int | None = Field(None, ge=1)
+    """Admission: no new request while the FFN ranks' token rows per step (over the
+    coordinator's signal window) are at or above this; None: no bound."""
+
+    retry_after_s: int = Field(1, ge=1)
+    """`Retry-After` of a refused request (429/503), seconds."""
+
+    api_key_env: str | None = None
+    """Name of the environment variable that holds the API key of the OpenAI routes
+    (`Authorization: Bearer <key>`); None: the routes are open. The key itself never
+    goes in the YAML."""
+
+    admin_key_env: str | None = None
+    """Name of the environment variable that holds the admin key of `POST /afd/scale`
+    and `/afd/autoscale/*`; None: those routes are open."""
 
 
 class AutoscaleConfig(_Section):
@@ -277,6 +309,12 @@ class AFDConfig(_Section):
                 raise ValueError(f"{name}.max_ranks: {pool.max_ranks} < {name}.num_ranks {pool.num_ranks}")
         if self.connector.transport != "auto":
             check_transport(self.connector.transport, collective_backend(self.platform))
+        capacity = self.attention.upper * (self.attention.max_num_seqs + self.ingress.max_queued_per_rank)
+        if self.ingress.max_ongoing_requests <= capacity:
+            raise ValueError(
+                f"ingress.max_ongoing_requests: {self.ingress.max_ongoing_requests} must exceed the admission "
+                f"capacity {capacity} (attention.max_ranks x (attention.max_num_seqs + ingress.max_queued_per_rank))"
+            )
         if self.autoscale.enabled and self.autoscale.policy is None:
             raise ValueError("autoscale.policy: a policy file is needed when autoscale.enabled is true")
         return self

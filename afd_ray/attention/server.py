@@ -63,7 +63,7 @@ from afd_ray.config import (
     ModelConfig,
     ObservabilityConfig,
 )
-from afd_ray.control.membership import AttentionAssignment, MemberState
+from afd_ray.control.membership import AttentionAssignment, AttentionMember, MemberState
 from afd_ray.control.serve_api import app_deleting
 from afd_ray.models.embedded import resolve_checkpoint
 from afd_ray.observability.publish import AttentionPublisher
@@ -128,6 +128,7 @@ class AttentionServer:
         node = ray.get_runtime_context().get_node_id()
         assignment = await coordinator.assign_attention.remote(connector.timeout_s, replica, node)
         self.rank = assignment.peer
+        self._replica, self._node = replica, node
         self._assignment = assignment
         self._coordinator = coordinator
         self._drain_timeout_s = autoscale.drain_timeout_s
@@ -191,14 +192,24 @@ class AttentionServer:
             report = self._recorder.drain(num_unfinished_requests(self._engine))
             if self._publisher is not None:
                 self._publisher.publish(steps)
-            await coordinator.report_attention.remote(self.rank, report, steps)
+            try:
+                await coordinator.report_attention.remote(self.rank, report, steps)
+            except Exception:  # the coordinator is restarting: the next report goes through
+                logger.warning("attention rank %d: report to the coordinator failed", self.rank, exc_info=True)
 
     async def _watch(self) -> None:
         """Follow the coordinator: re-peer when it moved this rank to another FFN
         peer; once DRAINING, end the requests still running after the drain timeout."""
         while True:
             await asyncio.sleep(_WATCH_PERIOD_S)
-            directive = await self._coordinator.attention_poll.remote(self.rank)
+            try:
+                directive = await self._coordinator.attention_poll.remote(self.rank)
+                if directive is None:  # a restarted coordinator: tell it who this rank is
+                    await self._rejoin()
+                    continue
+            except Exception:  # the coordinator is restarting: poll again
+                logger.warning("attention rank %d: poll of the coordinator failed", self.rank, exc_info=True)
+                continue
             if directive.assignment.epoch > self._assignment.epoch:
                 try:
                     await self._repeer(directive.assignment)
@@ -208,6 +219,17 @@ class AttentionServer:
                 self._draining.set()
                 logger.info("attention rank %d draining for up to %.0f s", self.rank, self._drain_timeout_s)
                 asyncio.get_running_loop().call_later(self._drain_timeout_s, self._drained.set)
+
+    async def _rejoin(self) -> None:
+        """Re-register with a restarted coordinator: this rank, its FFN peer and
+        pairing epoch, and whether it drains."""
+        state = MemberState.DRAINING if self._draining.is_set() else MemberState.READY
+        member = AttentionMember(
+            rank=self.rank, ffn_peer=self._assignment.ffn_rank, state=state, epoch=self._assignment.epoch,
+            replica=self._replica, node=self._node, peered_epoch=self._assignment.epoch,
+        )  # fmt: skip
+        await self._coordinator.rejoin_attention.remote(member)
+        logger.info("attention rank %d rejoined the coordinator", self.rank)
 
     async def _repeer(self, assignment: AttentionAssignment) -> None:
         """Close the pair with the old FFN peer (LEAVE) and join the new one, between
@@ -222,6 +244,9 @@ class AttentionServer:
 
     async def chat(self, request: ChatCompletionRequest) -> AsyncGenerator[ChatChunk, None]:
         """Answer `POST /v1/chat/completions`; see the class docstring for the items."""
+        if self._engine.errored:
+            yield _engine_failed(self.rank)
+            return
         async for item in self._until_drained(_relay(self._chat.create_chat_completion(request))):
             yield item
 
@@ -229,6 +254,9 @@ class AttentionServer:
         self, request: CompletionRequest
     ) -> AsyncGenerator[CompletionChunk, None]:
         """Answer `POST /v1/completions`; see the class docstring for the items."""
+        if self._engine.errored:
+            yield _engine_failed(self.rank)
+            return
         async for item in self._until_drained(_relay(self._completion.create_completion(request))):
             yield item
 
@@ -329,6 +357,13 @@ def _drain_error(rank: int, timeout_s: float) -> ErrorResponse:
     """The 503 body of a request still running when its rank's drain timeout passed."""
     message = (f"attention rank {rank} was removed by a resize and the request did not finish within "
                f"the drain timeout ({timeout_s:.0f} s, autoscale.drain_timeout_s); retry it")  # fmt: skip
+    return ErrorResponse(error=ErrorInfo(message=message, type="ServiceUnavailableError", code=503))
+
+
+def _engine_failed(rank: int) -> ErrorResponse:
+    """The 503 body of a request routed to a rank whose engine failed (its FFN peer was
+    lost mid-step); Serve's health check replaces the rank."""
+    message = f"attention rank {rank}'s engine failed (its FFN peer was lost) and is being replaced; retry it"
     return ErrorResponse(error=ErrorInfo(message=message, type="ServiceUnavailableError", code=503))
 
 

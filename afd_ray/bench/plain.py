@@ -24,9 +24,10 @@ from ray.serve import Application
 from afd_ray.attention.engine import engine_args, engine_env
 from afd_ray.attention.server import AttentionServer
 from afd_ray.config import AFDConfig, AttentionPoolConfig, ModelConfig
-from afd_ray.control.membership import AFDStatus
+from afd_ray.control.membership import AFDStatus, PoolLoad
 from afd_ray.models.embedded import resolve_checkpoint
 from afd_ray.platform import actor_resources, resource_key
+from afd_ray.serve.access import AccessKeys
 from afd_ray.serve.ingress import Ingress
 
 __all__ = ["PlainServer", "build_plain_app"]
@@ -37,7 +38,7 @@ class PlainServer(AttentionServer):
 
     It answers the attention role's calls (`chat`, `completions`, `models`,
     `check_health`, inherited) and the coordinator's `status`, which shows no pools,
-    so the unchanged `Ingress` can front it.
+    and `pool_load` (one rank), so the unchanged `Ingress` can front it.
     """
 
     async def __init__(self, model: ModelConfig, attention: AttentionPoolConfig) -> None:
@@ -56,6 +57,11 @@ class PlainServer(AttentionServer):
             engine_args(model, attention, checkpoint, "gate_on_ffn"), hf_overrides={}, worker_extension_cls=""
         )
         self._start(args, model.name, checkpoint, metrics=True)
+
+    async def pool_load(self) -> PoolLoad | None:
+        """The coordinator's `pool_load` of the baseline: one engine, admitted on queue
+        room only (no KV or FFN figures; a benchmark never runs past its capacity)."""
+        return PoolLoad(attention_ranks=1)
 
     async def status(self) -> AFDStatus:
         """`/afd/status` of a plain engine: no attention or FFN pool."""
@@ -92,4 +98,4 @@ def build_plain_app(cfg: AFDConfig) -> Application:
         max_ongoing_requests=cfg.ingress.max_ongoing_requests,
         ray_actor_options={"num_cpus": 0},
     )
-    return ingress.bind(plain, plain, plain, cfg.attention, cfg.ffn)
+    return ingress.bind(plain, plain, plain, cfg.attention, cfg.ffn, cfg.ingress, AccessKeys.from_env(cfg.ingress))

@@ -8,6 +8,7 @@ its own; the parts are:
 - `registry.Registry`: members, the epoch and the FFN layout;
 - `placement`: pure peer assignment, rebalance and bound functions;
 - `resize.Resizer`: resizes, FFN scale-in and Serve replica watching;
+- `recovery.Recovery`: dead FFN ranks found and the layout re-formed without them;
 - `autoscaler.Autoscaler`: the live policy loop;
 - `observability.signals.SignalAggregator`: the autoscaling signals;
 - `observability.steps.StepLog`: both pools' step records, for `trace`;
@@ -38,13 +39,17 @@ from afd_ray.control.membership import (
     AFDStatus,
     AttentionAssignment,
     AttentionDirective,
+    AttentionMember,
     EPAssignment,
     FFNDirective,
+    FFNMember,
     MemberState,
+    PoolLoad,
     ResizeEvent,
     ScaleRequest,
 )
 from afd_ray.control.placement import live_count, live_ranks
+from afd_ray.control.recovery import Recovery
 from afd_ray.control.registry import Registry
 from afd_ray.control.resize import ATTENTION_DEPLOYMENT, FFN_DEPLOYMENT, Resizer
 from afd_ray.observability.publish import CoordinatorPublisher
@@ -94,6 +99,8 @@ class Coordinator:
             collective_backend(platform), connector.timeout_s, ffn.num_ranks, connector.transport
         )
         self._resizer = Resizer(self._registry, app, attention, ffn, autoscale)
+        self._recovery = Recovery(self._registry, self._resizer, app, ffn.heartbeat_timeout_s,
+                                  autoscale.resize_timeout_s)  # fmt: skip
         self._signals = SignalAggregator()
         self._steps = StepLog(observability.step_records)
         self._published = CoordinatorPublisher() if observability.metrics else None
@@ -105,7 +112,11 @@ class Coordinator:
             if autoscale.enabled and policy is not None
             else None
         )
-        self._tasks = [asyncio.create_task(self._resizer.watch_replicas())]
+        self._tasks = [
+            asyncio.create_task(self._resizer.follow_serve_targets()),
+            asyncio.create_task(self._resizer.watch_replicas()),
+            asyncio.create_task(self._recovery.watch()),
+        ]
         if self._autoscaler is not None:
             self._tasks.append(asyncio.create_task(self._autoscaler.run()))
         if self._published is not None:
@@ -113,10 +124,10 @@ class Coordinator:
 
     # --- FFN pool --------------------------------------------------------------
 
-    async def register_ffn(self, address: FFNAddress) -> int:
-        """Add an FFN rank serving at `address` (STARTING); returns its rank. The first
-        `ffn.num_ranks` ranks form the first layout (epoch 0)."""
-        rank = self._registry.add_ffn(address)
+    async def register_ffn(self, address: FFNAddress, replica: str = "") -> int:
+        """Add an FFN rank serving at `address` (STARTING) in Serve replica `replica`;
+        returns its rank. The first `ffn.num_ranks` ranks form the first layout (epoch 0)."""
+        rank = self._registry.add_ffn(address, replica)
         await self._registry.notify()
         return rank
 
@@ -144,18 +155,27 @@ class Coordinator:
         epoch: int,
         pause_s: float,
         steps: list[FFNStep] | None = None,
+        serving: bool = True,
     ) -> FFNDirective:
         """Replace the counters and expert load of FFN rank `rank`, which serves layout
         `epoch` and paused its steps at most `pause_s` seconds at a step boundary since
         its last report; feed its counters to the autoscaling signals and keep its new
-        step records (`steps`) for `trace`.
+        step records (`steps`) for `trace`. Each report is the rank's heartbeat;
+        `serving` False (its FFN loop stopped) makes it dead.
 
         Returns:
-            The layout this rank must prepare while a resize is pending, and its
-            attention peers that vanished without LEAVE.
+            The layout this rank must prepare while a resize or recovery is pending,
+            and its attention peers that vanished without LEAVE.
         """
         registry = self._registry
+        if rank not in registry.ffn:  # this coordinator restarted
+            return FFNDirective(rejoin=True)
+        self._recovery.heard(rank, serving)
         member = registry.ffn[rank]
+        if member.state is MemberState.GONE:
+            return FFNDirective()
+        if not serving:
+            await registry.notify()
         update = asdict(stats) | {"expert_tokens": expert_tokens, "epoch": epoch}
         if member.state is MemberState.STARTING and rank in registry.layout and epoch == registry.layout_epoch:
             update["state"] = member.state.to(MemberState.READY)
@@ -170,9 +190,23 @@ class Coordinator:
             await registry.notify()
         return registry.ffn_directive(rank, epoch)
 
+    async def rejoin_ffn(self, member: FFNMember, ep_size: int) -> None:
+        """A running FFN rank re-registers after this coordinator restarted: `member`
+        as it knows itself (address, replica, the epoch and EP rank it serves), in a
+        layout of `ep_size` ranks."""
+        self._registry.rejoin_ffn(member, ep_size)
+        await self._registry.notify()
+
+    async def rejoin_attention(self, member: AttentionMember) -> None:
+        """A running attention rank re-registers after this coordinator restarted:
+        `member` as it knows itself (its FFN peer and pairing epoch)."""
+        self._registry.rejoin_attention(member)
+        await self._registry.notify()
+
     async def ffn_loaded(self, rank: int, epoch: int, num_bytes: int) -> None:
         """FFN rank `rank` loaded `num_bytes` of weights for the layout of `epoch`."""
         self._resizer.record_bytes(num_bytes)
+        self._recovery.record_bytes(num_bytes)
         logger.info("FFN rank %d loaded %.1f MB of weights for epoch %d", rank, num_bytes / 1e6, epoch)
 
     async def ffn_leaving(self, rank: int) -> None:
@@ -205,10 +239,13 @@ class Coordinator:
         registry.set_attention(rank, MemberState.READY, peered_epoch=registry.attention[rank].epoch)
         await registry.notify()
 
-    async def attention_poll(self, rank: int) -> AttentionDirective:
+    async def attention_poll(self, rank: int) -> AttentionDirective | None:
         """What attention rank `rank` must do now: its state (DRAINING once Serve
-        stops its replica) and its current FFN peer."""
+        stops its replica) and its current FFN peer; None: this coordinator restarted
+        and does not know the rank, which must `rejoin_attention`."""
         registry = self._registry
+        if rank not in registry.attention:
+            return None
         return AttentionDirective(state=registry.attention[rank].state, assignment=registry.attention_assignment(rank))
 
     async def attention_peered(self, rank: int, epoch: int) -> None:
@@ -283,6 +320,22 @@ class Coordinator:
         registry = self._registry
         return self._signals.snapshot(time.time(), live_ranks(registry.attention), live_ranks(registry.ffn))
 
+    async def pool_load(self) -> PoolLoad | None:
+        """What the ingress admits requests against: READY attention ranks, their KV
+        usage and latencies, FFN rows per step, and whether a resize or recovery runs;
+        None while no attention rank is known (just started, or restarted and the
+        members have not rejoined yet: the ingress keeps its last load)."""
+        registry = self._registry
+        if not registry.attention:
+            return None
+        metrics = await self.metrics()
+        return PoolLoad(
+            attention_ranks=sum(m.state is MemberState.READY for m in registry.attention.values()),
+            kv_cache_usage=metrics.kv_cache_usage, ffn_tokens_per_step=metrics.tokens_per_ffn_step,
+            ttft_p90_s=metrics.ttft_p90_s, tpot_p90_s=metrics.tpot_p90_s, resizing=self._resizer.busy,
+            recovering=self._recovery.recovering,
+        )  # fmt: skip
+
     async def status(self) -> AFDStatus:
         """Epoch, every attention rank with its state and FFN peer, every FFN rank
         with its state and counters, targets, resize events, autoscaling signals."""
@@ -296,5 +349,6 @@ class Coordinator:
             autoscale_paused=self._paused,
             autoscale_enabled=self._autoscaler is not None,
             resizes=self._resizer.resizes,
+            recoveries=self._recovery.events,
             metrics=await self.metrics(),
         )

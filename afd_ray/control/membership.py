@@ -16,6 +16,7 @@ from afd_ray.connector.link import Transport
 
 __all__ = [
     "AFDStatus",
+    "AdmissionState",
     "AttentionAssignment",
     "AttentionDirective",
     "AttentionMember",
@@ -24,6 +25,8 @@ __all__ = [
     "FFNMember",
     "LayoutPlan",
     "MemberState",
+    "PoolLoad",
+    "RecoveryEvent",
     "ResizeEvent",
     "ScaleRequest",
 ]
@@ -110,6 +113,9 @@ class FFNDirective(_Record):
     dead_peers: list[int] = []
     """Attention ranks peered with this FFN rank whose replica vanished without a
     LEAVE (it died or was killed): drop their pairs at a step boundary."""
+    rejoin: bool = False
+    """The coordinator does not know this rank (it restarted): re-register
+    (`Coordinator.rejoin_ffn`)."""
 
 
 class AttentionDirective(_Record):
@@ -138,6 +144,8 @@ class FFNMember(_Record):
 
     rank: int
     address: FFNAddress
+    replica: str = ""
+    """Serve replica id of the `FFNServer` that holds this rank."""
     state: MemberState = MemberState.STARTING
     epoch: int = -1
     """Layout epoch this rank serves now (-1 before it joined one)."""
@@ -195,6 +203,74 @@ class ResizeEvent(_Record):
     """Why the resize did not complete, if it did not."""
 
 
+class PoolLoad(_Record):
+    """What the ingress admits requests against (`Coordinator.pool_load`), refreshed
+    every `_LOAD_PERIOD_S` of the ingress."""
+
+    attention_ranks: int
+    """READY attention ranks (they take requests)."""
+    kv_cache_usage: float = 0.0
+    """Mean KV-cache usage of the attention ranks' latest reports, fraction."""
+    ffn_tokens_per_step: float = 0.0
+    """Token rows per FFN step over the signal window (`MetricsSnapshot.tokens_per_ffn_step`)."""
+    ttft_p90_s: float = 0.0
+    """p90 time to first token over the signal window, seconds (0: no sample)."""
+    tpot_p90_s: float = 0.0
+    """p90 time per output token over the signal window, seconds (0: no sample)."""
+    resizing: bool = False
+    """A resize is running: refusals are 503 (the capacity is changing), not 429."""
+    recovering: bool = False
+    """Lost FFN ranks are being replaced: refusals are 503, not 429."""
+
+
+class RecoveryEvent(_Record):
+    """The loss of FFN ranks and the layout's recovery, as `/afd/status` shows it."""
+
+    lost: list[int]
+    """FFN ranks found dead (their replica vanished, their FFN loop stopped, or no
+    report within `ffn.heartbeat_timeout_s`)."""
+    cause: str
+    """How the first of them was found dead."""
+    detected_s: float
+    """Unix time the coordinator found them dead, seconds."""
+    since_report_s: float
+    """Time from the lost rank's last report to its detection, seconds (the detection
+    delay, within one report period of it)."""
+    epoch: int = 0
+    """Layout epoch of the recovered layout."""
+    whole_s: float | None = None
+    """From detection until the layout again had its target number of FFN ranks
+    serving, seconds (None: not whole yet)."""
+    bytes_loaded: int = 0
+    """Weight bytes the ranks of the recovered layout loaded from the checkpoint."""
+    error: str | None = None
+    """Why the layout did not recover, if it did not."""
+
+
+class AdmissionState(_Record):
+    """The ingress's admission state, as `/afd/status` shows it."""
+
+    in_flight: int
+    """Requests the ingress admitted that have not finished."""
+    capacity: int
+    """READY attention ranks x (`attention.max_num_seqs` + `ingress.max_queued_per_rank`)."""
+    admitted: int = 0
+    refused_429: int = 0
+    """Refused for load (queue room, KV headroom, FFN tokens, an infeasible deadline)."""
+    refused_503: int = 0
+    """Refused while the pools were resizing or had no READY attention rank."""
+    expired: int = 0
+    """Admitted requests ended by their `x-request-deadline-ms`."""
+    resumed: int = 0
+    """Streams moved to another attention rank because theirs died (`afd_ray.serve.resume`)."""
+    last_refusal: str | None = None
+    """Why the latest request was refused."""
+    load: PoolLoad | None = None
+    """The pools' load the ingress admits against (None: not read yet)."""
+    load_age_s: float = 0.0
+    """Seconds since `load` was read from the coordinator."""
+
+
 class AFDStatus(_Record):
     """Body of `GET /afd/status`."""
 
@@ -209,6 +285,10 @@ class AFDStatus(_Record):
     """The deployment runs the autoscaler (`autoscale.enabled`); when False, resizes
     happen only through `POST /afd/scale`."""
     resizes: list[ResizeEvent] = []
+    recoveries: list[RecoveryEvent] = []
+    """Losses of FFN ranks and the recovery of the layout, oldest first."""
     metrics: MetricsSnapshot | None = None
     """The autoscaling signals over the coordinator's sliding window (None where no
     coordinator computed them)."""
+    admission: AdmissionState | None = None
+    """The answering ingress replica's admission state (added by the ingress)."""

@@ -71,6 +71,9 @@ class Registry:
         self._next_attention = 0
         self.vanished: set[int] = set()
         """Attention ranks whose replica vanished without leaving (their FFN peer drops them)."""
+        self._formed = False
+        """A first layout formed, or members rejoined (a restarted coordinator):
+        registering ranks no longer form the first layout."""
         self._changed = asyncio.Condition()
 
     # --- changes -----------------------------------------------------------------
@@ -80,14 +83,36 @@ class Registry:
         self.epoch += 1
         return self.epoch
 
-    def add_ffn(self, address: FFNAddress) -> int:
-        """A new FFN rank (STARTING) serving at `address`; the first
-        `first_layout_size` ranks form the first layout."""
-        rank = len(self.ffn)
-        self.ffn[rank] = FFNMember(rank=rank, address=address)
-        if not self.layout and len(self.ffn) == self._first_layout_size:
-            self.layout = tuple(sorted(self.ffn))
+    def add_ffn(self, address: FFNAddress, replica: str = "") -> int:
+        """A new FFN rank (STARTING) serving at `address` in Serve replica `replica`;
+        the first `first_layout_size` ranks form the first layout."""
+        rank = max(self.ffn, default=-1) + 1
+        self.ffn[rank] = FFNMember(rank=rank, address=address, replica=replica)
+        if not self._formed and len(self.ffn) == self._first_layout_size:
+            self.layout, self._formed = tuple(sorted(self.ffn)), True
         return rank
+
+    def rejoin_ffn(self, member: FFNMember, ep_size: int) -> None:
+        """A running FFN rank re-registers after a coordinator restart with its record
+        (`epoch` and `ep_rank` of the layout it serves). Once `ep_size` ranks of the
+        newest layout epoch rejoined, they are the layout again."""
+        self.ffn[member.rank] = member
+        self.epoch = max(self.epoch, member.epoch)
+        self._formed = True
+        serving = [m for m in self.ffn.values() if m.ep_rank is not None and m.state is not MemberState.GONE]
+        newest = max((m.epoch for m in serving), default=0)
+        layout = sorted((m for m in serving if m.epoch == newest), key=lambda m: m.ep_rank)
+        if len(layout) == ep_size and newest >= self.layout_epoch:
+            self.layout, self.layout_epoch = tuple(m.rank for m in layout), newest
+            logger.info("FFN layout of epoch %d rejoined: EP ranks %s", newest, self.layout)
+
+    def rejoin_attention(self, member: AttentionMember) -> None:
+        """A running attention rank re-registers after a coordinator restart."""
+        self.attention[member.rank] = member
+        self.epoch = max(self.epoch, member.epoch)
+        self._formed = True
+        self._next_attention = max(self._next_attention, member.rank + 1)
+        logger.info("attention rank %d rejoined (FFN peer %d, epoch %d)", member.rank, member.ffn_peer, member.epoch)
 
     def update_ffn(self, rank: int, **update: object) -> None:
         self.ffn[rank] = self.ffn[rank].model_copy(update=update)

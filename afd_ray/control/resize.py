@@ -29,7 +29,7 @@ from afd_ray.config import AttentionPoolConfig, AutoscaleConfig, FFNPoolConfig
 from afd_ray.control.membership import MemberState, ResizeEvent, ScaleRequest
 from afd_ray.control.placement import check_sizes, joining, live_count, rebalance_moves
 from afd_ray.control.registry import Plan, Registry
-from afd_ray.control.serve_api import replica_states, set_num_replicas
+from afd_ray.control.serve_api import replica_states, set_num_replicas, target_replicas
 
 __all__ = ["ATTENTION_DEPLOYMENT", "FFN_DEPLOYMENT", "Resizer"]
 
@@ -72,7 +72,8 @@ class Resizer:
         self._pause_s = 0.0
         self._bytes = 0
         self._resize_lock = asyncio.Lock()
-        self._layout_lock = asyncio.Lock()
+        self.layout_lock = asyncio.Lock()
+        """Held by whatever changes the FFN layout (a resize, a scale-in, a recovery)."""
         self._tasks: set[asyncio.Task[ResizeEvent]] = set()
 
     @property
@@ -139,7 +140,7 @@ class Resizer:
                 and all(m.state in (MemberState.READY, MemberState.GONE) for m in registry.attention.values()),
                 wait_s,
             )
-            async with self._layout_lock:
+            async with self.layout_lock:
                 await self._rebalance(registry.layout)
             await self._serve_routes(ATTENTION_DEPLOYMENT, request.attention, wait_s)
         if request.ffn != self.targets[FFN_DEPLOYMENT]:
@@ -150,7 +151,7 @@ class Resizer:
                 await registry.wait(
                     lambda: len(registry.layout) + len(joining(registry.ffn, registry.layout)) >= request.ffn, wait_s
                 )
-                async with self._layout_lock:
+                async with self.layout_lock:
                     ranks = registry.layout + joining(registry.ffn, registry.layout)
                     await self._switch_layout(ranks, leaving=None)
                     await self._rebalance(ranks)
@@ -166,7 +167,11 @@ class Resizer:
             TimeoutError: not done within `autoscale.resize_timeout_s`.
         """
         registry = self._registry
-        async with self._layout_lock:
+        if registry.ffn[rank].state is MemberState.GONE:  # found dead: recovery took it out
+            return
+        async with self.layout_lock:
+            if registry.ffn[rank].state is MemberState.GONE:
+                return
             registry.update_ffn(rank, state=registry.ffn[rank].state.to(MemberState.DRAINING))
             remaining = tuple(r for r in registry.layout if r != rank)
             if rank in registry.layout and remaining:
@@ -215,6 +220,15 @@ class Resizer:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"Serve did not run {num_replicas} {deployment} replicas within {wait_s} s")
             await asyncio.sleep(WATCH_PERIOD_S / 2)
+
+    async def follow_serve_targets(self) -> None:
+        """Take the pools' targets from Serve's replica counts once (a restarted
+        coordinator continues from the sizes the last resize set, not the config's)."""
+        for deployment in (ATTENTION_DEPLOYMENT, FFN_DEPLOYMENT):
+            try:
+                self.targets[deployment] = await target_replicas(self._app, deployment)
+            except Exception:  # the application is still being deployed: the config's sizes hold
+                logger.debug("Serve target of %s unavailable", deployment, exc_info=True)
 
     async def watch_replicas(self) -> None:
         """Forever: mark attention ranks DRAINING when Serve stops their replica, GONE

@@ -18,7 +18,7 @@ from ray import serve
 from ray.serve._private.common import DeploymentID
 from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 
-__all__ = ["app_deleting", "replica_states", "set_num_replicas"]
+__all__ = ["app_deleting", "replica_states", "set_num_replicas", "target_replicas"]
 
 
 def _controller() -> ray.actor.ActorHandle:
@@ -40,6 +40,13 @@ async def replica_states(app: str, deployment: str) -> dict[str, str]:
     `deployment` in `app`, by replica id (`ReplicaContext.replica_id.unique_id`)."""
     details = await _controller().get_deployment_details.remote(app, deployment)
     return {replica.replica_id: replica.state.value for replica in details.replicas}
+
+
+async def target_replicas(app: str, deployment: str) -> int:
+    """The replica count Serve keeps `deployment` of `app` at (what the last
+    `set_num_replicas`, or the deployment's `num_replicas`, asked for)."""
+    details = await _controller().get_deployment_details.remote(app, deployment)
+    return details.target_num_replicas
 
 
 async def app_deleting(app: str) -> bool:

@@ -33,7 +33,7 @@ from afd_ray.config import (
 )
 from afd_ray.connector.channel import FFNChannel
 from afd_ray.connector.process_group import new_process_group
-from afd_ray.control.membership import EPAssignment, LayoutPlan
+from afd_ray.control.membership import EPAssignment, FFNMember, LayoutPlan, MemberState
 from afd_ray.control.serve_api import app_deleting
 from afd_ray.ffn.ep import EPGroup
 from afd_ray.ffn.model import FFNStack, load_ffn_stack
@@ -94,7 +94,9 @@ class FFNServer:
         self._load = (resolve_checkpoint(model), dtype, device, gate_placement == "gate_on_attention")
         self._random_weights = model.load_format == "dummy"
         self._ep_poll_s = ffn.ep_idle_check_us / 1e6
-        self.rank = await coordinator.register_ffn.remote(channel.address)
+        self._replica = serve.get_replica_context().replica_id.unique_id
+        self._address = channel.address
+        self.rank = await coordinator.register_ffn.remote(channel.address, self._replica)
         assignment = await coordinator.ep_assignment.remote(self.rank, connector.timeout_s)
         stack = await asyncio.to_thread(self._load_stack, assignment)
         if assignment.epoch > 0:  # started by a scale-out
@@ -130,14 +132,25 @@ class FFNServer:
         return EPGroup(group, moe[0].spec.num_experts, self._load[2])
 
     async def _report(self) -> None:
+        """Every `_REPORT_PERIOD_S`: report counters and whether the loop runs (the
+        coordinator's heartbeat), and act on its directive. A failed report (the
+        coordinator is restarting) is logged and the next one tried."""
         while True:
             runtime = self._runtime
             stats, expert_tokens, steps = runtime.stats, runtime.expert_tokens.tolist(), runtime.steps.take_new()
             if self._publisher is not None:
                 self._publisher.publish(stats, expert_tokens, runtime.epoch, steps)
-            directive = await self._coordinator.report_ffn.remote(
-                self.rank, stats, expert_tokens, runtime.epoch, runtime.take_pause(), steps
-            )
+            try:
+                directive = await self._coordinator.report_ffn.remote(
+                    self.rank, stats, expert_tokens, runtime.epoch, runtime.take_pause(), steps,
+                    self._loop.is_alive(),
+                )
+                if directive.rejoin:  # a restarted coordinator: tell it who this rank is
+                    await self._rejoin()
+            except Exception:
+                logger.warning("FFN rank %d: report to the coordinator failed", self.rank, exc_info=True)
+                await asyncio.sleep(_REPORT_PERIOD_S)
+                continue
             runtime.drop_peers(directive.dead_peers)
             plan = directive.plan
             if plan is not None and plan.epoch > self._preparing:
@@ -145,6 +158,20 @@ class FFNServer:
                 self._preparation = asyncio.create_task(self._prepare(plan))
                 self._preparation.add_done_callback(_log_failure)
             await asyncio.sleep(_REPORT_PERIOD_S)
+
+    async def _rejoin(self) -> None:
+        """Re-register with a restarted coordinator: this rank, its address and the
+        layout epoch and EP rank it serves (the loop kept serving meanwhile)."""
+        runtime = self._runtime
+        ep_rank, ep_size = self._shard
+        member = FFNMember(
+            rank=self.rank, address=self._address, replica=self._replica, epoch=runtime.epoch,
+            state=MemberState.READY if self._loop.is_alive() and not runtime.left else MemberState.GONE,
+            ep_rank=None if runtime.left else ep_rank,
+        )  # fmt: skip
+        await self._coordinator.rejoin_ffn.remote(member, ep_size)
+        logger.info("FFN rank %d rejoined the coordinator (epoch %d, EP %d/%d)", self.rank, runtime.epoch, ep_rank,
+                    ep_size)  # fmt: skip
 
     async def _prepare(self, plan: LayoutPlan) -> None:
         """Make before break: build this rank's shard of the layout of `plan` (unless

@@ -15,12 +15,16 @@ from afd_ray.control.coordinator import (
 )
 from afd_ray.ffn.server import FFNServer
 from afd_ray.platform import actor_resources, resource_key
+from afd_ray.serve.access import AccessKeys
 from afd_ray.serve.ingress import Ingress
 
 __all__ = ["build_app"]
 
 _COORDINATOR_CALLS = 10_000
 """Concurrent calls the coordinator replica accepts."""
+_HEALTH_CHECK_PERIOD_S = 2.0
+"""Serve's health check period of pool members: an attention rank whose engine failed
+(its FFN peer was lost mid-step) is replaced after 3 failed checks, about 6 s."""
 _TEARDOWN_S = 60.0
 """Time a stopping attention replica has, after its drain timeout, to end its
 remaining requests, close its pair channel and stop its engine, seconds."""
@@ -46,10 +50,12 @@ def build_app(args: dict[str, object]) -> Application:
     Raises:
         pydantic.ValidationError: `args` does not fit `AFDConfig`; the message names
             the offending field (e.g. `attention.num_ranks`).
-        ValueError: `autoscale.policy` names a file that does not load; the message
-            names the field in that file.
+        ValueError: `autoscale.policy` names a file that does not load (the message
+            names the field in that file), or `ingress.api_key_env` /
+            `ingress.admin_key_env` names an unset environment variable.
     """
     cfg = AFDConfig.model_validate(args)
+    access = AccessKeys.from_env(cfg.ingress)
     policy = _load_policy(cfg.autoscale.policy) if cfg.autoscale.policy else None
     coordinator = serve.deployment(Coordinator).options(
         name="coordinator",
@@ -66,11 +72,13 @@ def build_app(args: dict[str, object]) -> Application:
         num_replicas=cfg.ffn.num_ranks,
         graceful_shutdown_timeout_s=cfg.autoscale.resize_timeout_s,
         **_member_placement(cfg.platform, cfg.ffn.bundle_resources, cfg.ffn.placement),
+        health_check_period_s=_HEALTH_CHECK_PERIOD_S,
     ).bind(cfg.platform, cfg.model, cfg.ffn, cfg.connector, cfg.gate_placement, coordinator, cfg.observability)
     attention = serve.deployment(AttentionServer).options(
         name=ATTENTION_DEPLOYMENT,
         num_replicas=cfg.attention.num_ranks,
         graceful_shutdown_timeout_s=cfg.autoscale.drain_timeout_s + _TEARDOWN_S,
+        health_check_period_s=_HEALTH_CHECK_PERIOD_S,
         max_ongoing_requests=cfg.attention.max_num_seqs,
         **_member_placement(cfg.platform, cfg.attention.bundle_resources, cfg.attention.placement),
     ).bind(cfg.model, cfg.attention, cfg.connector, cfg.gate_placement, coordinator, cfg.autoscale,
@@ -80,7 +88,7 @@ def build_app(args: dict[str, object]) -> Application:
         max_ongoing_requests=cfg.ingress.max_ongoing_requests,
         ray_actor_options={"num_cpus": 0},
     )
-    return ingress.bind(attention, coordinator, ffn, cfg.attention, cfg.ffn)
+    return ingress.bind(attention, coordinator, ffn, cfg.attention, cfg.ffn, cfg.ingress, access)
 
 
 def _member_placement(platform: Platform, amount: float, placement: PoolPlacement) -> dict[str, object]:

@@ -5,13 +5,21 @@ Requests are parsed into vLLM's own protocol models, so the accepted fields and
 their checks are exactly vLLM's. Every error leaves as an OpenAI error body,
 `{"error": {"message", "type", "param", "code"}}` with `param` naming the field and
 `code` equal to the HTTP status; the replicas are never disturbed by bad input.
+
+Before a request reaches the attention pool it passes access control
+(`afd_ray.serve.access`, 401) and admission (`afd_ray.serve.admission`, 429/503 with
+`Retry-After`); an optional `x-request-deadline-ms` header bounds its whole answer
+(504, or an SSE error event, once it passes).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+import time
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable
 from http import HTTPStatus
 
 from fastapi import FastAPI, Request
@@ -33,14 +41,23 @@ from afd_ray.compat import (
     clean_loc_for_param,
     create_error_response,
 )
-from afd_ray.config import AttentionPoolConfig, FFNPoolConfig
-from afd_ray.control.membership import ScaleRequest
+from afd_ray.config import AttentionPoolConfig, FFNPoolConfig, IngressConfig
+from afd_ray.control.membership import PoolLoad, ScaleRequest
+from afd_ray.serve.access import AccessKeys, Role
+from afd_ray.serve.admission import DEADLINE_HEADER, LOAD_PERIOD_S, Admission, Refusal
+from afd_ray.serve.resume import StreamResume
 
 __all__ = ["Ingress", "app"]
 
 logger = logging.getLogger(__name__)
 
 app = FastAPI(title="afd_ray", summary="OpenAI-compatible API of an AFD deployment")
+
+_RESUME_ATTEMPTS = 5
+"""Times a resumable stream is moved to another attention rank before it ends with an
+error (Serve may route a retry to the dead replica until it is replaced)."""
+_RESUME_BACKOFF_S = 0.5
+"""Wait before the k-th move: k x this, seconds."""
 
 
 def _error_response(error: ErrorResponse) -> JSONResponse:
@@ -98,38 +115,187 @@ async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
     return _error_response(ErrorResponse(error=error))
 
 
-async def _respond(answer: DeploymentResponseGenerator) -> Response:
-    """JSON for a single response or error item, SSE for a stream of `str` events."""
-    first: ChatChunk | CompletionChunk = await anext(answer)
-    if isinstance(first, ErrorResponse):
-        return _error_response(first)
-    if not isinstance(first, str):
-        return JSONResponse(first.model_dump())
-    return StreamingResponse(_events(first, answer), media_type="text/event-stream")
+class _Ticket:
+    """One admitted request's place in the admission count, given back exactly once:
+    when its answer ends, or when its unstarted SSE body is dropped (the client left
+    before the first event was sent)."""
+
+    def __init__(self, release: Callable[[bool], None]) -> None:
+        self._release: Callable[[bool], None] | None = release
+
+    def done(self, expired: bool = False) -> None:
+        if self._release is not None:
+            release, self._release = self._release, None
+            release(expired)
 
 
-async def _events(first: str, rest: DeploymentResponseGenerator) -> AsyncIterator[str]:
-    """The SSE events of one stream; if the attention replica fails mid-stream (it
-    died, or was killed past its drain timeout), a final SSE error event (503) and
-    `[DONE]` instead of a cut connection."""
-    yield first
+def _error(status: HTTPStatus, message: str, kind: str, param: str | None = None) -> ErrorResponse:
+    return ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=status))
+
+
+def _deadline_error(deadline_s: float) -> ErrorResponse:
+    return _error(HTTPStatus.GATEWAY_TIMEOUT, f"{DEADLINE_HEADER}: the request did not finish within "
+                  f"{deadline_s * 1e3:.0f} ms; it was aborted", "DeadlineExceededError", DEADLINE_HEADER)  # fmt: skip
+
+
+async def _within(item: Awaitable[object], deadline: float | None) -> object:
+    """`item`, bounded by the monotonic `deadline` (None: unbounded).
+
+    Raises:
+        TimeoutError: the deadline passed first (`item` is cancelled).
+    """
+    if deadline is None:
+        return await item
+    return await asyncio.wait_for(item, max(deadline - time.monotonic(), 0.0))
+
+
+class _Source:
+    """The attention pool's answer to one request. A resumable stream (`resume`) whose
+    rank dies (the call fails, or a rank answers 503) is moved to another rank with
+    `StreamResume.next_request`, up to `_RESUME_ATTEMPTS` times; its SSE events pass
+    through `StreamResume.observe`."""
+
+    def __init__(
+        self, call: Callable[[object], DeploymentResponseGenerator], request: object, resume: StreamResume | None,
+        on_resume: Callable[[], None],
+    ) -> None:  # fmt: skip
+        self._call = call
+        self._resume = resume
+        self._on_resume = on_resume
+        self._attempts = 0
+        self.answer = call.remote(request if resume is None else resume.request_for_rank)
+
+    async def next(self) -> ChatChunk | CompletionChunk:
+        """The next item.
+
+        Raises:
+            StopAsyncIteration: the answer ended.
+            Exception: the rank failed and the stream could not be moved.
+        """
+        while True:
+            try:
+                item = await anext(self.answer)
+                if self._resume is not None and isinstance(item, ErrorResponse) and \
+                        item.error.code == HTTPStatus.SERVICE_UNAVAILABLE:  # fmt: skip
+                    raise RuntimeError(item.error.message)
+            except StopAsyncIteration:
+                raise
+            except Exception as exc:
+                request = self._resume.next_request() if self._resume is not None else None
+                if request is None or self._attempts >= _RESUME_ATTEMPTS:
+                    raise
+                self._attempts += 1
+                logger.warning("attention rank failed (%s: %s); resuming the stream on another rank (attempt %d)",
+                               type(exc).__name__, exc, self._attempts)  # fmt: skip
+                await asyncio.sleep(_RESUME_BACKOFF_S * self._attempts)
+                self.answer = self._call.remote(request)
+                self._on_resume()
+                continue
+            return self._resume.observe(item) if self._resume is not None and isinstance(item, str) else item
+
+    def cancel(self) -> None:
+        self.answer.cancel()
+
+
+async def _respond(
+    source: _Source, ticket: _Ticket, deadline: float | None, budget_s: float | None, retry_after_s: int
+) -> Response:
+    """JSON for a single response or error item, SSE for a stream of `str` events;
+    `ticket` is given back when the answer ends. Past the monotonic `deadline` the
+    request is aborted: 504 before the first item, else an SSE error event. A 503 from
+    the attention pool (a draining or failed rank) carries `Retry-After`."""
     try:
-        async for event in rest:
+        first: ChatChunk | CompletionChunk = await _within(source.next(), deadline)
+    except TimeoutError:
+        source.cancel()
+        ticket.done(expired=True)
+        return _error_response(_deadline_error(budget_s))
+    except BaseException:
+        ticket.done()
+        raise
+    if not isinstance(first, str):
+        ticket.done()
+        if not isinstance(first, ErrorResponse):
+            return JSONResponse(first.model_dump())
+        response = _error_response(first)
+        if first.error.code == HTTPStatus.SERVICE_UNAVAILABLE:
+            response.headers["Retry-After"] = str(retry_after_s)
+        return response
+    events = _events(first, source, ticket, deadline, budget_s)
+    weakref.finalize(events, ticket.done)
+    return StreamingResponse(events, media_type="text/event-stream")
+
+
+async def _events(
+    first: str, source: _Source, ticket: _Ticket, deadline: float | None, budget_s: float | None
+) -> AsyncIterator[str]:
+    """The SSE events of one stream; if the attention replica fails mid-stream (it
+    died, or was killed past its drain timeout) and the stream cannot be resumed on
+    another rank, a final SSE error event (503) and `[DONE]` instead of a cut
+    connection; past the deadline, a 504 error event."""
+    expired = False
+    try:
+        yield first
+        while True:
+            try:
+                event = await _within(source.next(), deadline)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                source.cancel()
+                expired = True
+                error = _deadline_error(budget_s)
+                break
+            except Exception as exc:
+                logger.exception("stream failed", exc_info=exc)
+                error = _error(HTTPStatus.SERVICE_UNAVAILABLE, "the attention rank serving this request failed "
+                               f"({type(exc).__name__}); retry it", "ServiceUnavailableError")  # fmt: skip
+                break
+            if isinstance(event, ErrorResponse):  # a rank's error after the stream began
+                error = event
+                break
             yield event
-    except Exception as exc:
-        logger.exception("stream failed", exc_info=exc)
-        error = ErrorInfo(
-            message=f"the attention rank serving this request failed ({type(exc).__name__}); retry it",
-            type="ServiceUnavailableError",
-            code=HTTPStatus.SERVICE_UNAVAILABLE,
-        )
-        yield f"data: {json.dumps(ErrorResponse(error=error).model_dump())}\n\n"
+        yield f"data: {json.dumps(error.model_dump())}\n\n"
         yield "data: [DONE]\n\n"
+    finally:
+        ticket.done(expired)
+
+
+def _refused(refusal: Refusal, retry_after_s: int) -> JSONResponse:
+    """The 429/503 answer of a refused request, with `Retry-After`."""
+    kind = "TooManyRequestsError" if refusal.status == HTTPStatus.TOO_MANY_REQUESTS else "ServiceUnavailableError"
+    response = _error_response(_error(refusal.status, refusal.message, kind))
+    response.headers["Retry-After"] = str(retry_after_s)
+    return response
+
+
+def _unauthorized(message: str) -> JSONResponse:
+    response = _error_response(_error(HTTPStatus.UNAUTHORIZED, message, "AuthenticationError"))
+    response.headers["WWW-Authenticate"] = "Bearer"
+    return response
+
+
+def _deadline_s(request: Request) -> float | None:
+    """The request's `x-request-deadline-ms` in seconds (None: absent).
+
+    Raises:
+        RequestValidationError: not a positive integer (400 naming the header).
+    """
+    raw = request.headers.get(DEADLINE_HEADER)
+    if raw is None:
+        return None
+    if not (raw.strip().isascii() and raw.strip().isdigit()) or int(raw) <= 0:
+        raise RequestValidationError([{"type": "value_error", "loc": ("body", DEADLINE_HEADER),
+                                       "msg": f"must be a positive integer of milliseconds, got {raw!r}"}])  # fmt: skip
+    return int(raw) / 1e3
 
 
 @serve.ingress(app)
 class Ingress:
     """The HTTP routes of the application (wrap with `serve.deployment` to deploy).
+
+    Inference requests pass access control (`AccessKeys`, 401), then admission
+    (`Admission`: 429/503 with `Retry-After`), then go to the attention pool.
 
     Args:
         attention: handle to the `AttentionServer` deployment (the attention pool).
@@ -137,7 +303,9 @@ class Ingress:
         ffn: handle to the `FFNServer` deployment (the FFN pool), for health only;
             no request is ever routed there.
         attention_pool, ffn_pool: the pools' resize bounds (`min_ranks`, `max_ranks`),
-            checked on `POST /afd/scale`.
+            checked on `POST /afd/scale`; `attention_pool.max_num_seqs` for admission.
+        ingress: admission bounds and `Retry-After`.
+        access: the API and admin keys (read by the app builder from the environment).
     """
 
     def __init__(
@@ -147,27 +315,84 @@ class Ingress:
         ffn: DeploymentHandle,
         attention_pool: AttentionPoolConfig,
         ffn_pool: FFNPoolConfig,
+        ingress: IngressConfig,
+        access: AccessKeys,
     ) -> None:
         self._bounds = {"attention": attention_pool, "ffn": ffn_pool}
         self._attention = attention
         self._attention_stream = attention.options(stream=True)
         self._coordinator = coordinator
         self._ffn = ffn
+        self._access = access
+        self._retry_after_s = ingress.retry_after_s
+        self._admission = Admission(ingress, attention_pool.max_num_seqs)
+        self._loader = asyncio.get_running_loop().create_task(self._follow_load())
 
-    @app.get("/v1/models")
-    async def models(self) -> ModelList:
+    async def _follow_load(self) -> None:
+        """Forever: read the pools' load from the coordinator every `LOAD_PERIOD_S`;
+        while the coordinator is unreachable (or restarted and not yet rejoined by the
+        members) the last load stays in use."""
+        while True:
+            try:
+                await self._read_load()
+            except Exception:
+                logger.debug("pool load unavailable", exc_info=True)
+            await asyncio.sleep(LOAD_PERIOD_S)
+
+    async def _read_load(self) -> None:
+        load: PoolLoad | None = await asyncio.wait_for(self._coordinator.pool_load.remote(), 4 * LOAD_PERIOD_S)
+        if load is not None:
+            self._admission.update(load)
+
+    async def _infer(
+        self, raw: Request, call: Callable[[object], DeploymentResponseGenerator], request: object,
+        max_tokens: int | None, resume: StreamResume | None = None,
+    ) -> Response:  # fmt: skip
+        """Access control, admission, then `call(request)` on the attention pool
+        (moved to another rank if that rank dies, for a resumable stream)."""
+        denied = self._access.denied(raw, Role.USER)
+        if denied is not None:
+            return _unauthorized(denied)
+        budget_s = _deadline_s(raw)
+        deadline = None if budget_s is None else time.monotonic() + budget_s
+        admission = self._admission
+        if admission.load is None or admission.load.attention_ranks == 0:
+            try:  # just deployed, or every rank was replaced: read the load now, once
+                await self._read_load()
+            except Exception:
+                logger.debug("pool load unavailable", exc_info=True)
+        refusal = admission.admit(budget_s, max_tokens)
+        if refusal is not None:
+            return _refused(refusal, self._retry_after_s)
+        ticket = _Ticket(admission.release)
+        try:
+            source = _Source(call, request, resume, admission.resumed)
+        except BaseException:
+            ticket.done()
+            raise
+        return await _respond(source, ticket, deadline, budget_s, self._retry_after_s)
+
+    @app.get("/v1/models", response_model=None)
+    async def models(self, raw: Request) -> ModelList | Response:
         """The served model (OpenAI `GET /v1/models`)."""
+        denied = self._access.denied(raw, Role.USER)
+        if denied is not None:
+            return _unauthorized(denied)
         return await self._attention.models.remote()
 
     @app.post("/v1/chat/completions", response_model=None)
-    async def chat(self, request: ChatCompletionRequest) -> Response:
+    async def chat(self, request: ChatCompletionRequest, raw: Request) -> Response:
         """OpenAI chat completions; `stream: true` answers `text/event-stream`."""
-        return await _respond(self._attention_stream.chat.remote(request))
+        max_tokens = request.max_completion_tokens or request.max_tokens
+        return await self._infer(raw, self._attention_stream.chat, request, max_tokens)
 
     @app.post("/v1/completions", response_model=None)
-    async def completions(self, request: CompletionRequest) -> Response:
-        """OpenAI text completions; `stream: true` answers `text/event-stream`."""
-        return await _respond(self._attention_stream.completions.remote(request))
+    async def completions(self, request: CompletionRequest, raw: Request) -> Response:
+        """OpenAI text completions; `stream: true` answers `text/event-stream`. A
+        resumable stream continues on another attention rank if its rank dies
+        (`afd_ray.serve.resume`)."""
+        resume = StreamResume(request) if StreamResume.possible(request) else None
+        return await self._infer(raw, self._attention_stream.completions, request, request.max_tokens, resume)
 
     @app.get("/health")
     async def health(self) -> Response:
@@ -185,8 +410,10 @@ class Ingress:
 
     @app.get("/afd/status", response_model=None)
     async def afd_status(self) -> Response:
-        """The coordinator's view of both pools (`AFDStatus`)."""
+        """The coordinator's view of both pools (`AFDStatus`), with this ingress
+        replica's admission state (`admission`)."""
         status = await self._coordinator.status.remote()
+        status = status.model_copy(update={"admission": self._admission.state()})
         return JSONResponse(status.model_dump(mode="json"))
 
     @app.get("/afd/trace/{request_id}", response_model=None)
@@ -211,7 +438,11 @@ class Ingress:
         event if it did not complete. A body that does not fit, or a size outside
         the pool's `min_ranks`..`max_ranks`, is a 400 naming the field. Pauses the
         autoscaler until `POST /afd/autoscale/resume`. An accepted resize runs to its
-        end even if the client disconnects; its event is in `/afd/status` `resizes`."""
+        end even if the client disconnects; its event is in `/afd/status` `resizes`.
+        Needs the admin key when one is set (401)."""
+        denied = self._access.denied(request, Role.ADMIN)
+        if denied is not None:
+            return _unauthorized(denied)
         try:
             body = await request.json()
         except ValueError:
@@ -236,9 +467,13 @@ class Ingress:
         return JSONResponse(event.model_dump(mode="json"), status_code=status)
 
     @app.post("/afd/autoscale/resume", response_model=None)
-    async def afd_autoscale_resume(self) -> Response:
+    async def afd_autoscale_resume(self, request: Request) -> Response:
         """Let the autoscaler resize the pools again after a manual resize. The answer
-        also says whether the deployment runs an autoscaler at all (`autoscale.enabled`)."""
+        also says whether the deployment runs an autoscaler at all (`autoscale.enabled`).
+        Needs the admin key when one is set (401)."""
+        denied = self._access.denied(request, Role.ADMIN)
+        if denied is not None:
+            return _unauthorized(denied)
         await self._coordinator.resume_autoscaler.remote()
         status = await self._coordinator.status.remote()
         return JSONResponse({"autoscale_paused": status.autoscale_paused, "autoscale_enabled": status.autoscale_enabled})

@@ -154,3 +154,41 @@ def test_registry_wait_wakes_on_notify_and_times_out() -> None:
             await registry.wait(lambda: False, 0.05)
 
     asyncio.run(run())
+
+
+def test_registry_rebuilds_the_layout_from_rejoining_members() -> None:
+    """A restarted coordinator: members rejoin with their own records; the layout of
+    the newest epoch is whole once all its EP ranks rejoined, new ranks go after them."""
+    registry = Registry("gloo", 5.0, 2)
+    address = FFNAddress("h", 1, 2)
+    registry.rejoin_ffn(FFNMember(rank=3, address=address, state=READY, epoch=4, ep_rank=1), ep_size=2)
+    assert registry.layout == ()
+    registry.rejoin_ffn(FFNMember(rank=1, address=address, state=GONE, epoch=2), ep_size=2)
+    registry.rejoin_ffn(FFNMember(rank=2, address=address, state=READY, epoch=4, ep_rank=0), ep_size=2)
+    assert (registry.layout, registry.layout_epoch, registry.epoch) == ((2, 3), 4, 4)
+    registry.rejoin_attention(AttentionMember(rank=5, ffn_peer=3, state=READY, epoch=6, peered_epoch=6))
+    assert registry.epoch == 6 and registry.add_attention("r").rank == 6
+    assert registry.add_ffn(address) == 4
+    assert registry.layout == (2, 3)  # a registering rank never re-forms a first layout
+
+
+def test_recovery_finds_dead_ranks() -> None:
+    from afd_ray.config import AutoscaleConfig
+    from afd_ray.control.recovery import Recovery
+    from afd_ray.control.resize import Resizer
+
+    async def run() -> None:
+        registry = Registry("gloo", 5.0, 2)
+        for replica in ("a", "b"):
+            registry.add_ffn(FFNAddress("h", 1, 2), replica)
+        resizer = Resizer(registry, "app", AttentionPoolConfig(), FFNPoolConfig(num_ranks=2), AutoscaleConfig())
+        recovery = Recovery(registry, resizer, "app", heartbeat_timeout_s=0.05, wait_s=1)
+        assert recovery._dead({"a": "RUNNING", "b": "RUNNING"}) == {}
+        assert "replica b vanished" in recovery._dead({"a": "RUNNING"})[1]
+        recovery.heard(0, serving=False)
+        assert recovery._dead(None) == {0: "its FFN loop stopped"}
+        recovery.heard(1, serving=True)
+        await asyncio.sleep(0.1)
+        assert "no report for" in recovery._dead(None)[1]
+
+    asyncio.run(run())

@@ -1,0 +1,197 @@
+"""Recovery from lost FFN ranks (DESIGN §12): find a dead FFN rank within a bound,
+take it out of the layout under a new epoch, and re-form the layout from the live
+ranks and the replacements Serve starts.
+
+Detection, whichever comes first:
+- its Serve replica vanished (the process was killed or crashed; read every
+  `WATCH_PERIOD_S` from Serve's replica states);
+- it reported that its FFN loop stopped (an EP collective or a receive failed);
+- it sent no report for `ffn.heartbeat_timeout_s` (a hung replica).
+
+Recovery, under the layout lock (no resize interleaves):
+1. the lost ranks are GONE and leave the layout at once, so no new attention rank is
+   peered with them (`assign_attention` waits while the layout is empty);
+2. once the live ranks of the old layout plus the registered replacements reach the
+   FFN target (Serve restarts a killed replica by itself), a plan of a new epoch
+   forms the layout from them: replacements load their shard of it from the
+   checkpoint, live ranks only the experts they newly own (make before break);
+   a rank lost meanwhile restarts this step;
+3. attention ranks are rebalanced onto the new layout (re-peered under new epochs);
+   an attention rank whose engine failed with its peer is replaced by Serve.
+
+The FFN side holds no request state, so nothing but time is lost on the FFN side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from afd_ray.control.membership import MemberState, RecoveryEvent
+from afd_ray.control.placement import joining, rebalance_moves
+from afd_ray.control.registry import Plan, Registry
+from afd_ray.control.resize import FFN_DEPLOYMENT, WATCH_PERIOD_S, Resizer
+from afd_ray.control.serve_api import replica_states
+
+__all__ = ["Recovery"]
+
+logger = logging.getLogger("ray.serve")
+
+
+class Recovery:
+    """Finds dead FFN ranks and re-forms the layout without them.
+
+    Args:
+        registry: the members, epoch and layout.
+        resizer: holds the FFN target and the layout lock, counts loaded bytes.
+        app: the Serve application's name.
+        heartbeat_timeout_s: an FFN rank silent this long is dead, seconds.
+        wait_s: bound on one recovery (replacements started, layout switched), seconds.
+    """
+
+    def __init__(self, registry: Registry, resizer: Resizer, app: str, heartbeat_timeout_s: float, wait_s: float):
+        self._registry = registry
+        self._resizer = resizer
+        self._app = app
+        self._heartbeat_s = heartbeat_timeout_s
+        self._wait_s = wait_s
+        self._last_report: dict[int, float] = {}
+        """Monotonic time of each FFN rank's latest report."""
+        self._stopped: dict[int, str] = {}
+        """FFN ranks that reported their loop stopped, and why."""
+        self.events: list[RecoveryEvent] = []
+        self.recovering = False
+        self._bytes = 0
+
+    def heard(self, rank: int, serving: bool) -> None:
+        """FFN rank `rank` reported; `serving`: its FFN loop still runs."""
+        self._last_report[rank] = time.monotonic()
+        if not serving and self._registry.ffn[rank].state is not MemberState.GONE:
+            self._stopped.setdefault(rank, "its FFN loop stopped")
+
+    def record_bytes(self, num_bytes: int) -> None:
+        """A rank loaded `num_bytes` for a layout while recovering."""
+        self._bytes += num_bytes
+
+    def _dead(self, states: dict[str, str] | None) -> dict[int, str]:
+        """Live-looking FFN ranks that are dead, and how each was found dead."""
+        now = time.monotonic()
+        dead = {}
+        for rank, member in self._registry.ffn.items():
+            if member.state is MemberState.GONE:
+                continue
+            if rank in self._stopped:
+                dead[rank] = self._stopped[rank]
+            elif states is not None and member.replica and member.replica not in states:
+                dead[rank] = f"its Serve replica {member.replica} vanished"
+            elif rank in self._last_report and now - self._last_report[rank] > self._heartbeat_s:
+                dead[rank] = f"no report for {now - self._last_report[rank]:.1f} s (ffn.heartbeat_timeout_s)"
+        return dead
+
+    async def _states(self) -> dict[str, str] | None:
+        try:
+            return await replica_states(self._app, FFN_DEPLOYMENT)
+        except Exception:
+            logger.debug("replica states unavailable", exc_info=True)
+            return None
+
+    async def watch(self) -> None:
+        """Forever: every `WATCH_PERIOD_S`, find dead FFN ranks and recover from them."""
+        while True:
+            await asyncio.sleep(WATCH_PERIOD_S)
+            dead = self._dead(await self._states())
+            if dead:
+                try:
+                    await self._recover(dead)
+                except Exception:
+                    logger.exception("FFN recovery failed")
+
+    async def _until(self, condition: Callable[[], bool], deadline: float) -> dict[int, str]:
+        """Until `condition()` holds (then `{}`) or an FFN rank is found dead (then the
+        dead ranks), re-checking at least every `WATCH_PERIOD_S`.
+
+        Raises:
+            TimeoutError: neither before the monotonic `deadline`.
+        """
+        while True:
+            dead = self._dead(await self._states())
+            if dead or condition():
+                return dead
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the FFN layout did not recover within {self._wait_s} s")
+            try:
+                await self._registry.wait(condition, WATCH_PERIOD_S)
+            except TimeoutError:
+                pass
+
+    def _remove(self, dead: dict[int, str]) -> None:
+        registry = self._registry
+        for rank, cause in dead.items():
+            logger.warning("FFN rank %d is dead: %s", rank, cause)
+            registry.update_ffn(rank, state=MemberState.GONE, ep_rank=None)
+            self._stopped.pop(rank, None)
+        registry.layout = tuple(r for r in registry.layout if r not in dead)
+
+    async def _recover(self, dead: dict[int, str]) -> None:
+        registry = self._registry
+        async with self._resizer.layout_lock:
+            lost = sorted(r for r in dead if r in registry.layout or (registry.plan and r in registry.plan.ranks))
+            first = min(dead)
+            since = time.monotonic() - self._last_report.get(first, time.monotonic())
+            self._remove(dead)
+            await registry.notify()
+            if not lost:  # a rank that had not joined a layout yet: Serve replaces it
+                return
+            event = RecoveryEvent(lost=lost, cause=dead[first], detected_s=time.time(), since_report_s=since)
+            index = len(self.events)
+            self.events.append(event)
+            self.recovering, self._bytes = True, 0
+            started = time.monotonic()
+            try:
+                plan = await asyncio.wait_for(self._reform(), self._wait_s)
+                moves = rebalance_moves(registry.attention, plan.ranks)
+                for rank, peer in moves:
+                    registry.repeer(rank, peer)
+                await registry.notify()
+                update = {"epoch": plan.epoch, "whole_s": time.monotonic() - started, "bytes_loaded": self._bytes}
+                logger.info("FFN layout recovered: EP ranks %s (epoch %d) %.1f s after losing %s", plan.ranks,
+                            plan.epoch, update["whole_s"], lost)  # fmt: skip
+            except Exception as exc:
+                update = {"error": f"{type(exc).__name__}: {exc}"}
+                logger.exception("FFN recovery of %s failed", lost)
+            finally:
+                self.recovering = False
+            self.events[index] = event.model_copy(update=update)
+
+    async def _reform(self) -> Plan:
+        """Form the layout from the live ranks and the replacements, under a new epoch;
+        a rank lost while this runs starts it over. Returns the plan that serves.
+
+        Raises:
+            TimeoutError: not within `wait_s` seconds.
+        """
+        registry = self._registry
+        target = self._resizer.targets[FFN_DEPLOYMENT]
+        deadline = time.monotonic() + self._wait_s
+        while True:
+            dead = await self._until(
+                lambda: len(registry.layout) + len(joining(registry.ffn, registry.layout)) >= target, deadline
+            )
+            if dead:
+                self._remove(dead)
+                continue
+            ranks = (registry.layout + joining(registry.ffn, registry.layout))[:target]
+            plan = Plan(registry.next_epoch(), ranks, None)
+            registry.plan = plan
+            logger.info("FFN recovery: layout of epoch %d from ranks %s", plan.epoch, ranks)
+            await registry.notify()
+            dead = await self._until(lambda: all(registry.ffn[r].epoch >= plan.epoch for r in ranks), deadline)
+            if dead:
+                self._remove(dead)
+                registry.plan = None
+                continue
+            registry.switch_layout(plan)
+            await registry.notify()
+            return plan

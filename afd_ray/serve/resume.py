@@ -1,0 +1,101 @@
+"""Resuming a streamed completion on another attention rank when its rank dies
+(DESIGN §12): the ingress re-sends the prompt plus the tokens already streamed as a
+token-id prompt, re-prefilled by a live rank, and continues the same SSE stream.
+
+What is guaranteed:
+- no token is sent twice and none is lost: the new request starts after the last
+  token the client got, and asks for the remaining `max_tokens` (and `min_tokens`);
+- greedy requests (`temperature: 0`) continue exactly as the unfailed run would
+  (the same tokens: the continuation of a prefix is the suffix);
+- sampled requests with a `seed` continue with the same seed, restarted at the resume
+  point: deterministic for a given failure point, but not the tokens the unfailed run
+  would have sampled; without a seed, a valid continuation;
+- the stream keeps its `id` and `created`; `usage`, when asked for, counts the
+  original prompt and all generated tokens.
+
+Resumable: `/v1/completions` with `stream: true`, `n: 1`, one prompt (a string or
+token ids), no `echo`, no `stop` strings (vLLM holds back text that may start one, so
+the text sent lags the tokens), no `logprobs` (their text offsets restart). Other
+requests, chat completions included, end with an explicit SSE error event.
+"""
+
+from __future__ import annotations
+
+import json
+
+from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+__all__ = ["StreamResume"]
+
+
+class StreamResume:
+    """Follows one streamed completion (its SSE events pass through `observe`) and
+    builds the request that continues it.
+
+    Args:
+        request: the client's request; `request_for_rank` is what goes to the rank
+            (it asks for token ids, which `observe` hides again unless the client
+            asked for them).
+    """
+
+    def __init__(self, request: CompletionRequest) -> None:
+        self._request = request
+        self._show_ids = bool(request.return_token_ids)
+        self._prompt: list[int] | None = None
+        self._tokens: list[int] = []
+        self._id: tuple[str, int] | None = None
+        self.resumes = 0
+        """How often the stream moved to another rank."""
+
+    @staticmethod
+    def possible(request: CompletionRequest) -> bool:
+        """Whether `request` can be resumed (see the module docstring)."""
+        single = isinstance(request.prompt, str) or (
+            isinstance(request.prompt, list) and all(isinstance(t, int) for t in request.prompt)
+        )
+        return bool(request.stream and request.n == 1 and single and not request.echo and not request.stop
+                    and request.logprobs is None)  # fmt: skip
+
+    @property
+    def request_for_rank(self) -> CompletionRequest:
+        return self._request.model_copy(update={"return_token_ids": True})
+
+    def observe(self, event: str) -> str:
+        """Record the token ids of one SSE event of the rank and return the event the
+        client gets (its original stream id; token ids only if it asked for them)."""
+        if not event.startswith("data: {"):
+            return event
+        body = json.loads(event.removeprefix("data: "))
+        if "error" in body:
+            return event
+        if self._id is None:
+            self._id = (body["id"], body["created"])
+        body["id"], body["created"] = self._id
+        for choice in body.get("choices") or []:
+            if self._prompt is None and choice.get("prompt_token_ids") is not None:
+                self._prompt = list(choice["prompt_token_ids"])
+            self._tokens += choice.get("token_ids") or []
+            if not self._show_ids:
+                choice["prompt_token_ids"] = choice["token_ids"] = None
+            elif self.resumes:
+                choice["prompt_token_ids"] = None  # the client got the original prompt's ids already
+        usage = body.get("usage")
+        if usage and self.resumes and self._prompt is not None:
+            usage["prompt_tokens"] = len(self._prompt)
+            usage["completion_tokens"] = len(self._tokens)
+            usage["total_tokens"] = len(self._prompt) + len(self._tokens)
+        return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+    def next_request(self) -> CompletionRequest | None:
+        """The request that continues the stream on another rank (None: it had
+        already generated every token)."""
+        if self._prompt is None:  # nothing generated yet: the request as it was
+            return self.request_for_rank
+        remaining = None if self._request.max_tokens is None else self._request.max_tokens - len(self._tokens)
+        if remaining is not None and remaining <= 0:
+            return None
+        self.resumes += 1
+        return self._request.model_copy(update={
+            "prompt": self._prompt + self._tokens, "max_tokens": remaining, "return_token_ids": True,
+            "min_tokens": max(self._request.min_tokens - len(self._tokens), 0),
+        })  # fmt: skip

@@ -1,0 +1,11 @@
+"""Constants of the guarded tiny application (tests/serve/conftest.py `guarded`)."""
+
+NAME = "guarded"
+PREFIX = f"/{NAME}"
+API_KEY, ADMIN_KEY = "user-key-for-tests", "admin-key-for-tests"
+MAX_NUM_SEQS, QUEUED = 2, 2
+CAPACITY = MAX_NUM_SEQS + QUEUED
+"""Requests the one attention rank may hold: `max_num_seqs` + `max_queued_per_rank`."""
+MAX_TOKENS = 24
+USER = {"Authorization": f"Bearer {API_KEY}"}
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
