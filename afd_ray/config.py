@@ -203,6 +203,11 @@ class ConnectorConfig(_Section):
     the pools share a node or span several; `127.0.0.1` keeps a one-node deployment
     off the network."""
 
+    peer_lost_wait_s: float = Field(120.0, gt=0)
+    """How long an attention rank whose FFN peer died inside a forward pass waits for
+    its new peer (then repeats the current layer's exchange there), seconds; past it
+    the pass fails and the rank's requests end with an explicit error."""
+
     transport: TransportChoice = "auto"
     """Data plane of each attention↔FFN pair (`afd_ray.connector.link`). `auto`:
     `shm` when both run on one Ray node, else `gloo` (CPU); `nccl` (CUDA); `hccl`

@@ -8,19 +8,29 @@ own profile and warm-up forwards therefore already run through the FFN peer.
 
 The client uses only the connector contract (`afd_ray.connector.link.AttentionLink`);
 `AttentionChannel` opens the transport the assignment names.
+
+An FFN peer that dies inside a forward pass costs a pause, not the pass (DESIGN §12):
+on `PeerLostError` the client asks its `AttentionServer` (over the assignment's
+`rescue` endpoint) for the new peer the coordinator assigns once it re-formed the FFN
+layout, joins it, announces the rest of the step (`first_layer` = the current layer)
+and repeats the current layer's exchange. The FFN side holds no request state, so the
+result is the same; vLLM never sees an error. Past `peer_lost_wait_s` the error is
+raised (the engine fails; its requests end with an explicit error).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable
 
 import torch
+import zmq
 
 from afd_ray.connector.channel import AttentionChannel
 from afd_ray.connector.header import StepHeader
-from afd_ray.connector.link import AttentionLink
+from afd_ray.connector.link import AttentionLink, PeerLostError
 from afd_ray.control.membership import AttentionAssignment
 from afd_ray.observability.steps import AttentionStep, StepRing
 
@@ -30,6 +40,8 @@ __all__ = [
 ]
 
 ASSIGNMENT_ENV = "AFD_RAY_ASSIGNMENT"
+
+logger = logging.getLogger(__name__)
 
 _client: FFNClient | None = None
 
@@ -64,16 +76,15 @@ class FFNClient:
 
     def __init__(self, assignment: AttentionAssignment) -> None:
         self.assignment = assignment
-        self.link: AttentionLink = AttentionChannel(
-            assignment.address, assignment.peer, assignment.epoch,
-            assignment.transport, assignment.timeout_s,
-        )
+        self.link: AttentionLink = _open(assignment)
         self._step_tokens = 0
         """Rows T of the step announced last (0 before the first)."""
         self._header: StepHeader | None = None
         self._start_s = 0.0
         self._requests: tuple[str, ...] = ()
         self._exchange_s = 0.0
+        self.resumes = 0
+        """Forward passes continued on a new FFN peer after the old one died."""
 
     def begin_step(self, num_tokens: int) -> None:
         """Send the STEP header of a forward pass of `num_tokens` rows."""
@@ -99,11 +110,22 @@ class FFNClient:
                 f"layer {layer}: {hidden.shape[0]} rows in a step announced with {self._step_tokens}"
             )
         if _steps.capacity == 0:
-            return self.link.exchange(hidden, topk)
+            return self._exchange(hidden, layer, topk)
         start = time.perf_counter()
-        out = self.link.exchange(hidden, topk)
+        out = self._exchange(hidden, layer, topk)
         self._exchange_s += time.perf_counter() - start
         return out
+
+    def _exchange(
+        self, hidden: torch.Tensor, layer: int, topk: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> torch.Tensor:
+        """One layer's exchange; on a lost peer, `_resume` when a rescue endpoint is set."""
+        try:
+            return self.link.exchange(hidden, topk)
+        except PeerLostError as lost:
+            if not self.assignment.rescue:
+                raise
+            return self._resume(hidden, layer, topk, lost)
 
     def _record(self) -> None:
         """Keep the finished step's timing record."""
@@ -113,6 +135,68 @@ class FFNClient:
                 header.peer, header.epoch, header.step_id, self._start_s, header.num_tokens, self._exchange_s,
                 self._requests,
             ))  # fmt: skip
+
+    def _resume(
+        self, hidden: torch.Tensor, layer: int, topk: tuple[torch.Tensor, torch.Tensor] | None, lost: PeerLostError
+    ) -> torch.Tensor:
+        """Repeat layer `layer`'s exchange on the new FFN peer the coordinator assigns
+        (the rest of the step announced from `layer` on), within `peer_lost_wait_s`.
+
+        Raises:
+            PeerLostError: no new peer answered within `peer_lost_wait_s`.
+        """
+        logger.warning("FFN peer %d lost at layer %d (%s); waiting for a new peer", self.assignment.ffn_rank,
+                       layer, lost)  # fmt: skip
+        started = time.monotonic()
+        deadline = started + self.assignment.peer_lost_wait_s
+        _close(self.link)
+        while (left := deadline - time.monotonic()) > 0:
+            assignment = _ask_rescue(self.assignment, left)
+            if assignment is None:
+                break
+            self.assignment = assignment
+            os.environ[ASSIGNMENT_ENV] = assignment.model_dump_json()
+            try:
+                self.link = _open(assignment)  # JOIN: admitted at the new peer's next step boundary
+                self._header = self.link.send_header(self._step_tokens, first_layer=layer)
+                out = self.link.exchange(hidden, topk)
+            except (PeerLostError, RuntimeError) as again:  # that peer died too, or never admitted us
+                logger.warning("new FFN peer %d failed (%s)", assignment.ffn_rank, again)
+                _close(self.link)
+                continue
+            self.resumes += 1
+            logger.warning("forward pass resumed at layer %d on FFN peer %d (epoch %d) after %.2f s", layer,
+                           assignment.ffn_rank, assignment.epoch, time.monotonic() - started)  # fmt: skip
+            return out
+        raise PeerLostError(self.assignment.peer, f"no new FFN peer within {self.assignment.peer_lost_wait_s} s "
+                            "(connector.peer_lost_wait_s)") from lost  # fmt: skip
+
+
+def _open(assignment: AttentionAssignment) -> AttentionLink:
+    return AttentionChannel(
+        assignment.address, assignment.peer, assignment.epoch, assignment.transport, assignment.timeout_s
+    )
+
+
+def _close(link: AttentionLink) -> None:
+    """Close a link whose peer may be dead (its LEAVE may not arrive)."""
+    try:
+        link.close()
+    except Exception:  # noqa: BLE001 - the peer is gone; nothing left to release there
+        logger.debug("closing the link to a lost FFN peer failed", exc_info=True)
+
+
+def _ask_rescue(current: AttentionAssignment, wait_s: float) -> AttentionAssignment | None:
+    """The assignment after `current` (a newer epoch), from the `AttentionServer`'s
+    rescue endpoint; None if it did not answer within `wait_s` seconds."""
+    context = zmq.Context.instance()
+    with context.socket(zmq.REQ) as socket:
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.connect(current.rescue)
+        socket.send_string(current.model_dump_json())
+        if not socket.poll(int(wait_s * 1000)):
+            return None
+        return AttentionAssignment.model_validate_json(socket.recv_string())
 
 
 def ffn_client() -> FFNClient:
@@ -154,6 +238,8 @@ def repeer_ffn_client(assignment: AttentionAssignment) -> None:
         RuntimeError / DistStoreError: the new peer did not admit it within the timeout.
     """
     global _client
+    if _client is not None and _client.assignment.epoch >= assignment.epoch:
+        return  # already there: it moved inside a forward pass when its old peer died
     reset_ffn_client()
     os.environ[ASSIGNMENT_ENV] = assignment.model_dump_json()
     _client = FFNClient(assignment)

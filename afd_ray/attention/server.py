@@ -25,6 +25,8 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from pathlib import Path
 
 import ray
+import zmq
+import zmq.asyncio
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 from vllm.engine.arg_utils import AsyncEngineArgs
@@ -126,11 +128,16 @@ class AttentionServer:
         """
         replica = serve.get_replica_context().replica_id.unique_id
         node = ray.get_runtime_context().get_node_id()
-        assignment = await coordinator.assign_attention.remote(connector.timeout_s, replica, node)
+        self._rescue = zmq.asyncio.Context.instance().socket(zmq.REP)
+        self._rescue.setsockopt(zmq.LINGER, 0)
+        port = self._rescue.bind_to_random_port("tcp://127.0.0.1")
+        self._rescue_fields = {"rescue": f"tcp://127.0.0.1:{port}", "peer_lost_wait_s": connector.peer_lost_wait_s}
+        assignment = self._with_rescue(await coordinator.assign_attention.remote(connector.timeout_s, replica, node))
         self.rank = assignment.peer
         self._replica, self._node = replica, node
         self._assignment = assignment
         self._coordinator = coordinator
+        self._rescuer = asyncio.create_task(self._serve_rescue())
         self._drain_timeout_s = autoscale.drain_timeout_s
         self._draining = asyncio.Event()
         """Set once the coordinator marked this rank DRAINING."""
@@ -231,10 +238,38 @@ class AttentionServer:
         await self._coordinator.rejoin_attention.remote(member)
         logger.info("attention rank %d rejoined the coordinator", self.rank)
 
+    def _with_rescue(self, assignment: AttentionAssignment) -> AttentionAssignment:
+        """`assignment` with this server's rescue endpoint, for the worker."""
+        return assignment.model_copy(update=self._rescue_fields)
+
+    async def _serve_rescue(self) -> None:
+        """Forever: answer the worker whose FFN peer died inside a forward pass (it
+        sends the assignment it held) with the next one, once the coordinator moved
+        this rank to a live FFN peer (a newer epoch). The engine is blocked in that
+        pass meanwhile, so this runs beside `_watch`, not through the engine."""
+        while True:
+            held = AttentionAssignment.model_validate_json(await self._rescue.recv_string())
+            while True:
+                try:
+                    directive = await self._coordinator.attention_poll.remote(self.rank)
+                except Exception:  # the coordinator is restarting
+                    directive = None
+                if directive is not None and directive.assignment.epoch > held.epoch:
+                    break
+                await asyncio.sleep(_WATCH_PERIOD_S / 2)
+            assignment = self._with_rescue(directive.assignment)
+            self._assignment = assignment  # `_watch` must not re-peer the engine once more
+            os.environ[ASSIGNMENT_ENV] = assignment.model_dump_json()
+            await self._rescue.send_string(assignment.model_dump_json())
+            await self._coordinator.attention_peered.remote(self.rank, assignment.epoch)
+            logger.warning("attention rank %d: FFN peer %d died mid-pass; its worker moves to FFN peer %d "
+                           "(epoch %d)", self.rank, held.ffn_rank, assignment.ffn_rank, assignment.epoch)  # fmt: skip
+
     async def _repeer(self, assignment: AttentionAssignment) -> None:
         """Close the pair with the old FFN peer (LEAVE) and join the new one, between
         two engine steps of the worker."""
         old = self._assignment
+        assignment = self._with_rescue(assignment)
         await self._engine.collective_rpc("afd_repeer", args=(assignment.model_dump_json(),))
         self._assignment = assignment
         os.environ[ASSIGNMENT_ENV] = assignment.model_dump_json()
@@ -335,6 +370,7 @@ class AttentionServer:
             if not deleting:
                 await self._coordinator.attention_gone.remote(self.rank)
         finally:
+            self._rescue.close()
             self._engine.shutdown()
 
 

@@ -75,6 +75,11 @@ class AttentionAssignment(_Record):
     """Data plane of the pair (`afd_ray.connector.link.select_transport`)."""
     timeout_s: float
     """Bound on rendezvous and on every receive, seconds."""
+    rescue: str = ""
+    """ZeroMQ endpoint of the rank's `AttentionServer` that hands the worker its new FFN
+    peer when the peer dies inside a forward pass ("": none; the server fills it in)."""
+    peer_lost_wait_s: float = 0.0
+    """How long the worker waits there for a new peer, seconds (`connector.peer_lost_wait_s`)."""
 
     @property
     def address(self) -> FFNAddress:

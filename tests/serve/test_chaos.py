@@ -4,11 +4,9 @@ SIGKILL one of two attention replicas and its streams resume on the other (a tin
 cluster, real vLLM, real HTTP).
 
 What is checked, per kill:
-- no request hangs or is cut: each stream either completes with exactly the tokens of
-  the unfailed run, or ends with an explicit SSE error event (its attention rank's
-  engine failed with its FFN peer mid-step: the in-step retry on a new FFN peer is not
-  implemented, see README "Failures");
-- no token is repeated: what a stream got is a prefix of the unfailed run;
+- a pause, not a request: every stream completes with exactly the tokens of the
+  unfailed run (none lost, none repeated, no error); the attention rank blocked in
+  the forward pass waits for its new FFN peer and repeats the current layer there;
 - every refused request during the recovery is a 503 with `Retry-After`;
 - the coordinator records the loss (`/afd/status` `recoveries`): how it was found, the
   detection delay, the time until the FFN layout served again, the bytes reloaded;
@@ -136,9 +134,8 @@ def test_ffn_sigkill_costs_no_hang_and_the_service_comes_back(chaos: httpx.Clien
         for thread in threads:
             thread.join(120)
         assert not any(thread.is_alive() for thread in threads), "a stream hung"
-        for prompt, result in enumerate(results):
-            assert result.tokens == reference[prompt][: len(result.tokens)], (prompt, result)  # none repeated
-            assert result.error is not None or len(result.tokens) == MAX_TOKENS, (prompt, result)
+        for prompt, result in enumerate(results):  # a pause, not a request: all complete, none repeated
+            assert result.error is None and result.tokens == reference[prompt], (prompt, result)
         refused = []
         while not _whole(chaos):
             assert time.monotonic() - killed < WHOLE_WITHIN_S, chaos.get("/afd/status").json()
