@@ -19,7 +19,7 @@ import json
 import logging
 import time
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from http import HTTPStatus
 
 from fastapi import FastAPI, Request
@@ -261,6 +261,24 @@ async def _events(
         ticket.done(expired)
 
 
+def _materialized(value: object) -> object:
+    """`value` with every iterator inside it turned into a list. vLLM's chat message
+    types declare content parts and tool calls as `Iterable`, which pydantic keeps as
+    lazy validating iterators that cannot be pickled to the attention replica (a list
+    of content parts was a 500; found by the fuzz test).
+
+    Raises:
+        pydantic.ValidationError: an item of such an iterator does not validate.
+    """
+    if isinstance(value, dict):
+        return {key: _materialized(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_materialized(item) for item in value]
+    if isinstance(value, Iterator):
+        return [_materialized(item) for item in value]
+    return value
+
+
 def _refused(refusal: Refusal, retry_after_s: int) -> JSONResponse:
     """The 429/503 answer of a refused request, with `Retry-After`."""
     kind = "TooManyRequestsError" if refusal.status == HTTPStatus.TOO_MANY_REQUESTS else "ServiceUnavailableError"
@@ -383,6 +401,14 @@ class Ingress:
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(self, request: ChatCompletionRequest, raw: Request) -> Response:
         """OpenAI chat completions; `stream: true` answers `text/event-stream`."""
+        messages = []
+        for index, message in enumerate(request.messages):
+            try:
+                messages.append({key: _materialized(value) for key, value in message.items()})
+            except ValidationError as exc:  # names the message; the key is in the error's own loc
+                raise RequestValidationError([error | {"loc": ("body", "messages", index, *error["loc"])}
+                                              for error in exc.errors()])  # fmt: skip
+        request = request.model_copy(update={"messages": messages})
         max_tokens = request.max_completion_tokens or request.max_tokens
         return await self._infer(raw, self._attention_stream.chat, request, max_tokens)
 

@@ -152,3 +152,14 @@ def test_read_only_routes_stay_open(guarded: httpx.Client) -> None:
 def test_missing_key_variable_fails_the_build(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="ingress.admin_key_env: the environment variable 'AFD_UNSET_KEY_VAR'"):
         build_app({"ingress": {"admin_key_env": "AFD_UNSET_KEY_VAR"}})
+
+
+def test_chat_with_content_parts(guarded: httpx.Client) -> None:
+    """Content as a list of parts (OpenAI's format) reaches the engine; the fuzz test
+    found it was a 500 (vLLM's `Iterable` fields could not be pickled to the replica)."""
+    body = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
+    response = guarded.post("/v1/chat/completions", json=body, headers=USER)
+    assert response.status_code == 200, response.text
+    bad = {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text"}]}]}
+    response = guarded.post("/v1/chat/completions", json=bad, headers=USER)
+    assert response.status_code == 400, response.text
