@@ -125,7 +125,7 @@ def _checkpoint(cfg: BenchConfig, family: str) -> Path:
 
 def _settled_status(http: httpx.Client, route: str) -> AFDStatus:
     """`/afd/status` once two reads `_SETTLE_POLL_S` apart agree (all FFN counters
-    reported), apart from `metrics`, a snapshot taken at each read.
+    reported), apart from `metrics` and `admission`, snapshots taken at each read.
 
     Raises:
         TimeoutError: the counters kept changing for `_SETTLE_READS` reads.
@@ -135,7 +135,8 @@ def _settled_status(http: httpx.Client, route: str) -> AFDStatus:
         response = http.get(f"{route}/afd/status")
         response.raise_for_status()
         status = AFDStatus.model_validate(response.json())
-        if last is not None and status.model_copy(update={"metrics": last.metrics}) == last:  # metrics: per read
+        per_read = {"metrics": None, "admission": None}  # snapshots taken at each read
+        if last is not None and status.model_copy(update=per_read) == last.model_copy(update=per_read):
             return status
         last = status
         time.sleep(_SETTLE_POLL_S)

@@ -57,6 +57,7 @@ def _settled_status(http: httpx.Client, advanced_from: dict[int, int]) -> dict:
     while time.monotonic() < deadline:
         status = http.get("/afd/status").json()
         status.pop("metrics")  # a snapshot taken at each call: its time always differs
+        status.pop("admission")  # the ingress's admission state, likewise per call
         if status == previous and all(m["steps"] > advanced_from[m["rank"]] for m in status["ffn"]):
             return status
         previous = status
