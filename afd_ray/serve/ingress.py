@@ -404,7 +404,7 @@ class Ingress:
         messages = []
         for index, message in enumerate(request.messages):
             try:
-                messages.append({key: _materialized(value) for key, value in message.items()})
+                messages.append(_materialized(message))  # a dict (TypedDict) or a pydantic message
             except ValidationError as exc:  # names the message; the key is in the error's own loc
                 raise RequestValidationError([error | {"loc": ("body", "messages", index, *error["loc"])}
                                               for error in exc.errors()])  # fmt: skip
