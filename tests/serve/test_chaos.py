@@ -89,6 +89,26 @@ def chaos(serve_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         serve.delete(NAME)
 
 
+@pytest.fixture(scope="module")
+def reference(chaos: httpx.Client) -> list[list[int]]:
+    """The unfailed run: each prompt's greedy tokens, streamed alone."""
+    tokens = []
+    for prompt in range(len(PROMPTS)):
+        result = _Result()
+        _stream(chaos, prompt, result)
+        assert result.error is None and len(result.tokens) == MAX_TOKENS, result
+        tokens.append(result.tokens)
+    return tokens
+
+
+def _wait_tokens(results: list[_Result], within_s: float = 60) -> None:
+    """Until every stream has its first 2 tokens (bounded)."""
+    deadline = time.monotonic() + within_s
+    while not all(len(r.tokens) >= 2 for r in results):
+        assert time.monotonic() < deadline, results
+        time.sleep(0.01)
+
+
 def _pids(deployment: str) -> list[int]:
     """The process ids of the RUNNING replicas of `deployment`, from Serve's controller
     (the replica details `serve status` shows)."""
@@ -103,8 +123,20 @@ def _pid(deployment: str) -> int:
     return pid
 
 
+def _status(http: httpx.Client) -> dict | None:
+    """`/afd/status`, or None while it cannot be read (the coordinator restarting)."""
+    try:
+        response = http.get("/afd/status")
+    except httpx.HTTPError:
+        return None
+    status = response.json() if response.status_code == 200 else None
+    return status if isinstance(status, dict) and "epoch" in status else None
+
+
 def _whole(http: httpx.Client) -> bool:
-    status = http.get("/afd/status").json()
+    status = _status(http)
+    if status is None:
+        return False
     layout = {m["rank"] for m in status["ffn"] if m["state"] == "ready" and m["ep_rank"] is not None}
     attention = [m for m in status["attention"] if m["state"] != "gone"]
     return (len(layout) == status["target_ffn"] and len(attention) == status["target_attention"]
@@ -112,22 +144,14 @@ def _whole(http: httpx.Client) -> bool:
                     for m in attention))  # fmt: skip
 
 
-def test_ffn_sigkill_costs_no_hang_and_the_service_comes_back(chaos: httpx.Client) -> None:
-    reference = []
-    for prompt in range(len(PROMPTS)):
-        result = _Result()
-        _stream(chaos, prompt, result)
-        assert result.error is None and len(result.tokens) == MAX_TOKENS, result
-        reference.append(result.tokens)
+def test_ffn_sigkill_costs_no_hang_and_the_service_comes_back(chaos: httpx.Client, reference: list[list[int]]) -> None:
     figures = []
     for kill in range(KILLS):
         results = [_Result() for _ in PROMPTS]
         threads = [threading.Thread(target=_stream, args=(chaos, i, r)) for i, r in enumerate(results)]
         for thread in threads:
             thread.start()
-        deadline = time.monotonic() + 60
-        while not all(len(r.tokens) >= 2 for r in results) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        _wait_tokens(results)
         pid = _pid("ffn")
         os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()
@@ -138,7 +162,7 @@ def test_ffn_sigkill_costs_no_hang_and_the_service_comes_back(chaos: httpx.Clien
             assert result.error is None and result.tokens == reference[prompt], (prompt, result)
         refused = []
         while not _whole(chaos):
-            assert time.monotonic() - killed < WHOLE_WITHIN_S, chaos.get("/afd/status").json()
+            assert time.monotonic() - killed < WHOLE_WITHIN_S, _status(chaos)
             probe = chaos.post("/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2})
             if probe.status_code != 200:
                 refused.append(probe)
@@ -167,27 +191,64 @@ def test_ffn_sigkill_costs_no_hang_and_the_service_comes_back(chaos: httpx.Clien
         print("  " + json.dumps(row))
 
 
+def _membership(status: dict) -> dict:
+    """What a restarted coordinator must rebuild from its members: the epoch, the live
+    attention ranks with their FFN peers and epochs, and the FFN layout."""
+    keys = ("rank", "state", "ffn_peer", "epoch")
+    return {
+        "epoch": status["epoch"],
+        "attention": [{k: m[k] for k in keys} for m in status["attention"] if m["state"] != "gone"],
+        "layout": [(m["rank"], m["ep_rank"]) for m in status["ffn"] if m["ep_rank"] is not None and m["state"] != "gone"],
+    }  # fmt: skip
+
+
+REJOIN_WITHIN_S = 120
+
+
+def test_coordinator_sigkill_does_not_stop_serving(chaos: httpx.Client, reference: list[list[int]]) -> None:
+    """Serve restarts the coordinator; the members rejoin it with their ranks, peers,
+    epochs and layout; the streams running meanwhile complete unchanged."""
+    before = _status(chaos)
+    assert before is not None and _whole(chaos), before
+    results = [_Result() for _ in PROMPTS]
+    threads = [threading.Thread(target=_stream, args=(chaos, i, r)) for i, r in enumerate(results)]
+    for thread in threads:
+        thread.start()
+    _wait_tokens(results)
+    os.kill(_pid("coordinator"), signal.SIGKILL)
+    killed = time.monotonic()
+    for thread in threads:
+        thread.join(120)
+    assert not any(thread.is_alive() for thread in threads), "a stream hung"
+    assert [r.tokens for r in results] == reference and all(r.error is None for r in results), results
+    while True:  # bounded: wait until the members have rejoined the new coordinator
+        after = _status(chaos)
+        if after is not None and _membership(after) == _membership(before) and _whole(chaos):
+            break
+        assert time.monotonic() - killed < REJOIN_WITHIN_S, (_membership(before), after and _membership(after))
+        time.sleep(0.5)
+    rejoined_s = time.monotonic() - killed
+    again = _Result()
+    _stream(chaos, 1, again)
+    assert again.error is None and again.tokens == reference[1], again
+    print(f"\ncoordinator SIGKILL: streams unaffected, members rejoined within {rejoined_s:.1f} s")
+
+
 ATTENTION_STREAMS = 6
 
 
-def test_attention_sigkill_streams_resume_on_another_rank(chaos: httpx.Client) -> None:
+def test_attention_sigkill_streams_resume_on_another_rank(chaos: httpx.Client, reference: list[list[int]]) -> None:
     """2A:1F; SIGKILL one attention replica while 6 greedy streams run: the ingress
     moves the killed rank's streams to the other rank (prompt + tokens already sent,
     re-prefilled), and every stream equals the unfailed run, without error or repeat."""
     response = chaos.post("/afd/scale", json={"attention": 2, "ffn": 1}, timeout=600)
     assert response.status_code == 200, response.text
-    reference = []
-    for prompt in range(len(PROMPTS)):
-        result = _Result()
-        _stream(chaos, prompt, result)
-        reference.append(result.tokens)
     resumed_before = chaos.get("/afd/status").json()["admission"]["resumed"]
     results = [_Result() for _ in range(ATTENTION_STREAMS)]
     threads = [threading.Thread(target=_stream, args=(chaos, i % len(PROMPTS), r)) for i, r in enumerate(results)]
     for thread in threads:
         thread.start()
-    while not all(len(r.tokens) >= 2 for r in results):
-        time.sleep(0.01)
+    _wait_tokens(results)
     os.kill(_pids("attention")[0], signal.SIGKILL)
     for thread in threads:
         thread.join(180)
