@@ -183,7 +183,7 @@ def test_each_step_leaves_a_timing_record_per_peer(runtime: FFNRuntime) -> None:
     errors: list[str] = []
     early = threading.Thread(target=_attention_peer, args=(runtime, first, [6], errors))
     early.start()
-    time.sleep(0.2)  # peer 0's header waits in the batching window for peer 1's
+    time.sleep(1.0)  # peer 0's header waits in the batching window for peer 1's
     _attention_peer(runtime, second, [11], errors)
     early.join(60)
     assert errors == []
@@ -191,7 +191,9 @@ def test_each_step_leaves_a_timing_record_per_peer(runtime: FFNRuntime) -> None:
     (record,) = runtime.steps.records()
     assert [(p.rank, p.epoch, p.step_id, p.num_tokens) for p in record.peers] == [(0, 0, 1, 6), (1, 0, 1, 11)]
     queue = {p.rank: p.queue_s for p in record.peers}
-    assert queue[0] > 0.1 and queue[0] > queue[1] >= 0  # it slept 0.2 s after starting peer 0, minus thread start-up
+    # Peer 0 announced about 1 s earlier (less its thread's start-up, which a loaded
+    # machine can stretch: no absolute floor), so it queued longer.
+    assert queue[0] > queue[1] >= 0
     assert record.compute_s > 0 and record.f2a_s >= 0 and record.ep_s == 0  # no EP group
     assert record.total_s >= record.compute_s + record.f2a_s
     assert runtime.steps.take_new() == [record] and runtime.steps.take_new() == []
