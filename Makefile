@@ -39,4 +39,6 @@ serve: install
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/serve run --address local deployments/afd.yaml
 
 test: models
+	# Debian's prometheus, for the real-Prometheus test (tests/serve/test_resize.py).
+	command -v prometheus >/dev/null || { apt-get update -q && apt-get install -y -q --no-install-recommends prometheus; }
 	$(PY) -m pytest tests

@@ -7,6 +7,10 @@ tokens plain vLLM gives its prompt (none lost, cut, repeated or duplicated); eac
 resize is reported with its epoch, members' states, longest FFN step-boundary pause
 and weight bytes loaded, and the client-side longest gap between two tokens during
 the resize is measured too.
+
+A real Prometheus (Debian's package) scrapes the cluster through Ray's own
+service-discovery file for the whole module; the last test checks that every `afd_*`
+metric and every panel query of `dashboards/afd.json` has nonzero data in it.
 """
 
 from __future__ import annotations
@@ -26,7 +30,10 @@ from ray import serve
 
 from afd_ray.cli import main as cli
 from afd_ray.models.tiny import build_tiny
+from afd_ray.observability.dashboards import RATE
+from afd_ray.observability.metrics import METRICS, Kind
 from afd_ray.serve.app import build_app
+from prom_server import Prometheus, write_ray_service_discovery
 
 NAME = "resize"
 PREFIX = f"/{NAME}"
@@ -145,8 +152,21 @@ shrinks it, never changes the FFN pool (no FFN signal)."""
 
 
 @pytest.fixture(scope="module")
+def prometheus(ray_cluster: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus]:
+    """A real Prometheus scraping the session cluster, started before the application."""
+    server = Prometheus(write_ray_service_discovery(), tmp_path_factory.mktemp("prometheus"))
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture(scope="module")
 def http(
-    serve_url: str, checkpoint: tuple[Path, list[list[int]]], tmp_path_factory: pytest.TempPathFactory
+    serve_url: str,
+    checkpoint: tuple[Path, list[list[int]]],
+    tmp_path_factory: pytest.TempPathFactory,
+    prometheus: Prometheus,
 ) -> Iterator[httpx.Client]:
     policy = tmp_path_factory.mktemp("policy") / "autoscale.yaml"
     policy.write_text(POLICY)
@@ -296,3 +316,35 @@ def test_requests_beyond_the_drain_timeout_end_with_a_clear_error(
             assert r.tokens == expected
     status = http.get(f"{PREFIX}/afd/status").json()
     assert [m["state"] for m in status["attention"]].count("ready") == 1
+
+
+DASHBOARD = Path(__file__).parents[2] / "dashboards" / "afd.json"
+RATE_WINDOW = "1m"
+"""Stands for Grafana's `$__rate_interval` (its default for Prometheus): 20 scrapes."""
+SCRAPED_TIMEOUT_S = 90
+"""Ray flushes a worker's metrics to the node's exporter every few seconds, and
+Prometheus scrapes every 3 s: the last resizes' samples may arrive that late."""
+
+
+def test_prometheus_has_every_afd_metric_and_every_panel(http: httpx.Client, prometheus: Prometheus) -> None:
+    """Last in the module: the resizes under load above (manual and autoscaler, FFN
+    resharding with EP2, 8 experts), as scraped by the real Prometheus. Every `afd_*`
+    metric has a nonzero sample (a histogram: its `_count`), and every panel query of
+    `dashboards/afd.json` (`$__rate_interval` = `RATE_WINDOW`) returns a series with a
+    nonzero value over the module's time range, through Prometheus's HTTP API."""
+    queries = {m.name: m.series + ("_count" if m.kind is Kind.HISTOGRAM else "") for m in METRICS}
+    for panel in json.loads(DASHBOARD.read_text())["panels"]:
+        for target in panel["targets"]:
+            queries[f"{panel['title']}: {target['expr']}"] = target["expr"].replace(RATE, RATE_WINDOW)
+    deadline = time.monotonic() + SCRAPED_TIMEOUT_S
+    while True:
+        queries = {
+            name: expr for name, expr in queries.items()
+            if not prometheus.nonzero_series(expr, prometheus.started, time.time(), step_s=5)
+        }  # fmt: skip
+        if not queries or time.monotonic() > deadline:
+            break
+        time.sleep(5)
+    targets = [(t["scrapeUrl"], t["health"], t["lastError"]) for t in prometheus.targets()]
+    assert any(health == "up" for _, health, _ in targets), targets
+    assert list(queries) == [], f"no nonzero data for {list(queries)}; targets {targets}"
