@@ -263,6 +263,13 @@ class Decision(_Frozen):
     """Why, naming the deciding signal and value, e.g.
     `attention +1 (1 -> 2): kv_cache_usage 0.93 > 0.85 for 30 s`."""
     ffn_reason: str
+    attention_cause: str
+    """What decided, as a bounded label (the `reason` label of `afd_autoscale_decisions`):
+    the signal above its `scale_out` band that drove the decision (e.g. `kv_cache_usage`),
+    `all_below` (every signal under its `scale_in` band), `bounds` (the target was
+    clamped to `[min_ranks, max_ranks]`), `in_band` (hysteresis: hold) or `no_signals`."""
+    ffn_cause: str
+    """The FFN pool's cause, as `attention_cause`."""
     state: ScaleState
     """Pass to the next `decide`."""
 
@@ -290,13 +297,14 @@ def _decide_pool(
     state: PoolState,
     values: Mapping[str, float],
     now: float,
-) -> tuple[PoolState, str]:
-    """One pool's new state and reason (see the module docstring for the rules)."""
+) -> tuple[PoolState, str, str]:
+    """One pool's new state, reason and cause (see the module docstring for the rules
+    and `Decision.attention_cause` for the causes)."""
     bands = policy.signals.bands()
     clamped = min(max(state.target, policy.min_ranks), policy.max_ranks)
     if clamped != state.target:
         new = PoolState(target=clamped, last_change_s=now)
-        return new, f"{name} {state.target} -> {clamped}: clamped to [{policy.min_ranks}, {policy.max_ranks}]"
+        return new, f"{name} {state.target} -> {clamped}: clamped to [{policy.min_ranks}, {policy.max_ranks}]", "bounds"
     above = {s: values[s] for s, band in bands.items() if values[s] > band.scale_out}
     all_below = bool(bands) and all(values[s] < band.scale_in for s, band in bands.items())
     above_since = (state.above_since_s if state.above_since_s is not None else now) if above else None
@@ -310,39 +318,43 @@ def _decide_pool(
         why = f"{signal} {value:.3g} > {bands[signal].scale_out:.3g}"
         waited = now - above_since
         if target >= policy.max_ranks:
-            return held, f"{name} hold at max {policy.max_ranks}: {why}"
+            return held, f"{name} hold at max {policy.max_ranks}: {why}", signal
         if waited < policy.scale_out_after_s:
-            return held, f"{name} hold: {why} for {waited:.0f} of {policy.scale_out_after_s:.0f} s"
+            return held, f"{name} hold: {why} for {waited:.0f} of {policy.scale_out_after_s:.0f} s", signal
         if since_change < policy.scale_out_cooldown_s:
             return (
                 held,
                 f"{name} hold: {why}, cooldown {since_change:.0f} of {policy.scale_out_cooldown_s:.0f} s",
+                signal,
             )
         new_target = min(target + policy.step, policy.max_ranks)
         return (
             PoolState(target=new_target, last_change_s=now),
             f"{name} +{new_target - target} ({target} -> {new_target}): {why} for {waited:.0f} s",
+            signal,
         )
     if all_below:
         why = ", ".join(f"{s} {values[s]:.3g} < {band.scale_in:.3g}" for s, band in bands.items())
         waited = now - below_since
         if target <= policy.min_ranks:
-            return held, f"{name} hold at min {policy.min_ranks}: {why}"
+            return held, f"{name} hold at min {policy.min_ranks}: {why}", "all_below"
         if waited < policy.scale_in_after_s:
-            return held, f"{name} hold: {why} for {waited:.0f} of {policy.scale_in_after_s:.0f} s"
+            return held, f"{name} hold: {why} for {waited:.0f} of {policy.scale_in_after_s:.0f} s", "all_below"
         if since_change < policy.scale_in_cooldown_s:
             return (
                 held,
                 f"{name} hold: {why}, cooldown {since_change:.0f} of {policy.scale_in_cooldown_s:.0f} s",
+                "all_below",
             )
         new_target = max(target - policy.step, policy.min_ranks)
         return (
             PoolState(target=new_target, last_change_s=now),
             f"{name} -{target - new_target} ({target} -> {new_target}): {why} for {waited:.0f} s",
+            "all_below",
         )
     if not bands:
-        return held, f"{name} hold at {target}: no signals configured"
-    return held, f"{name} hold at {target}: signals within the hysteresis band"
+        return held, f"{name} hold at {target}: no signals configured", "no_signals"
+    return held, f"{name} hold at {target}: signals within the hysteresis band", "in_band"
 
 
 def decide(snapshot: MetricsSnapshot, state: ScaleState, policy: AutoscalePolicy) -> Decision:
@@ -354,15 +366,17 @@ def decide(snapshot: MetricsSnapshot, state: ScaleState, policy: AutoscalePolicy
     (`waiting_per_rank`, `running_per_rank`) divide by the live `snapshot.attention_ranks`.
     """
     values = signal_values(snapshot)
-    attention, attention_reason = _decide_pool(
+    attention, attention_reason, attention_cause = _decide_pool(
         "attention", policy.attention, state.attention, values, snapshot.time_s
     )
-    ffn, ffn_reason = _decide_pool("ffn", policy.ffn, state.ffn, values, snapshot.time_s)
+    ffn, ffn_reason, ffn_cause = _decide_pool("ffn", policy.ffn, state.ffn, values, snapshot.time_s)
     return Decision(
         attention_target=attention.target,
         ffn_target=ffn.target,
         attention_reason=attention_reason,
         ffn_reason=ffn_reason,
+        attention_cause=attention_cause,
+        ffn_cause=ffn_cause,
         state=ScaleState(attention=attention, ffn=ffn),
     )
 

@@ -62,8 +62,10 @@ class Autoscaler:
             state = state.follow(targets[ATTENTION_DEPLOYMENT], targets[FFN_DEPLOYMENT], time.time())
             decision = decide(await self._metrics(), state, self._policy)
             if self._published is not None:
-                self._published.decision(ATTENTION_DEPLOYMENT, state.attention.target, decision.attention_target)
-                self._published.decision(FFN_DEPLOYMENT, state.ffn.target, decision.ffn_target)
+                self._published.decision(
+                    ATTENTION_DEPLOYMENT, state.attention.target, decision.attention_target, decision.attention_cause
+                )
+                self._published.decision(FFN_DEPLOYMENT, state.ffn.target, decision.ffn_target, decision.ffn_cause)
             state = decision.state
             target = ScaleRequest(
                 attention=clamp(decision.attention_target, self._attention),

@@ -119,9 +119,10 @@ PANELS: tuple[Panel, ...] = (
     ), "Resizes finished since the coordinator started, their mean duration and longest FFN step-boundary "
        "pause."),
     Panel("Autoscaler decisions", "short", (
-        (f"sum by (pool, action) (increase({_series('afd_autoscale_decisions')}[{RATE}]))",
-         "{{pool}} {{action}}"),
-    ), "Autoscaler evaluations per pool and action."),
+        (f"sum by (pool, action, reason) (increase({_series('afd_autoscale_decisions')}[{RATE}]))",
+         "{{pool}} {{action}} ({{reason}})"),
+    ), "Autoscaler evaluations per pool, action and reason (the deciding signal, all_below, bounds, "
+       "in_band or no_signals)."),
 )  # fmt: skip
 
 

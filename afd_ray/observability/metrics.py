@@ -107,8 +107,10 @@ METRICS: tuple[Metric, ...] = (
            "Longest step-boundary pause of the FFN loop during a resize (0 when none paused).",
            ("trigger",), _RESIZE_S),
     Metric("afd_autoscale_decisions", Kind.COUNTER, "decisions",
-           "Autoscaler evaluations per pool, by action: out (grow), in (shrink) or hold; the reason text "
-           "of each is in the coordinator's log and, for a resize, in /afd/status.", ("pool", "action")),
+           "Autoscaler evaluations per pool, by action (out: grow, in: shrink, hold) and reason: the "
+           "deciding signal, all_below, bounds, in_band or no_signals (Decision.attention_cause); the "
+           "full reason text is in the coordinator's log and, for a resize, in /afd/status.",
+           ("pool", "action", "reason")),
 )  # fmt: skip
 
 _BY_NAME = {metric.name: metric for metric in METRICS}

@@ -99,7 +99,8 @@ class CoordinatorPublisher:
         self._metrics.observe("afd_resize_seconds", duration_s, {"trigger": trigger})
         self._metrics.observe("afd_resize_pause_seconds", pause_s, {"trigger": trigger})
 
-    def decision(self, pool: str, current: int, target: int) -> None:
-        """Count one autoscaler decision of `pool` from `current` to `target` ranks."""
+    def decision(self, pool: str, current: int, target: int, cause: str) -> None:
+        """Count one autoscaler decision of `pool` from `current` to `target` ranks;
+        `cause` is `Decision.attention_cause` / `ffn_cause` (a bounded label)."""
         action = "out" if target > current else "in" if target < current else "hold"
-        self._metrics.inc("afd_autoscale_decisions", 1, {"pool": pool, "action": action})
+        self._metrics.inc("afd_autoscale_decisions", 1, {"pool": pool, "action": action, "reason": cause})

@@ -123,6 +123,8 @@ def test_pools_decide_independently_and_reasons_name_signal_and_value() -> None:
     assert (decision.attention_target, decision.ffn_target) == (2, 1)
     assert decision.attention_reason == "attention +1 (1 -> 2): kv_cache_usage 0.93 > 0.85 for 0 s"
     assert "hysteresis band" in decision.ffn_reason
+    # the bounded label of afd_autoscale_decisions{reason}
+    assert (decision.attention_cause, decision.ffn_cause) == ("kv_cache_usage", "in_band")
 
 
 def test_follow_an_external_resize_starts_a_cooldown() -> None:
