@@ -33,9 +33,11 @@ def test_status_metrics_after_requests(client: httpx.Client) -> None:
             pool.map(lambda p: client.post("/v1/completions", json=body | {"prompt": p}), PROMPTS)
         )
     assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+    # Attention ranks report every second: a report taken while the last requests still
+    # ran carries their TPOT and running > 0; the next one must show the idle engine.
     deadline = time.monotonic() + 10
     metrics = _metrics(client)
-    while metrics.tpot_p90_s == 0 and time.monotonic() < deadline:  # attention ranks report every second
+    while (metrics.tpot_p90_s == 0 or metrics.running_requests > 0) and time.monotonic() < deadline:
         time.sleep(0.5)
         metrics = _metrics(client)
     assert (metrics.attention_ranks, metrics.ffn_ranks) == (1, 1)
