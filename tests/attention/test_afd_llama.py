@@ -1,10 +1,11 @@
-"""The AFD Llama split against plain vLLM, weight ownership by role, and each CPU
-transport end to end.
+"""The AFD Llama split against plain vLLM, weight ownership by role, and the
+transport `auto` picks on one node.
 
 Both go through the session's application (`client` fixture: SmolLM2-135M-Instruct,
 float32, 1A:1F; `connector.transport: auto`, so `shm` on the one Ray node) and
-compare with vLLM without AFD on the same checkpoint; a second application set to
-`connector.transport: gloo` must give the same tokens.
+compare with vLLM without AFD on the same checkpoint. The gloo transport is served
+end to end by `tests/serve/test_two_nodes.py` (pools on two Ray nodes), and the
+config override of `auto` is checked in `tests/connector/test_link.py`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from vllm import LLM, SamplingParams
 
 from afd_ray.config import ModelConfig
 from afd_ray.models.embedded import resolve_checkpoint
-from afd_ray.serve.app import build_app
 
 PROMPTS = [
     "The capital of France is",
@@ -84,20 +84,3 @@ def _pair_transports(app: str) -> dict[int, str]:
 def test_the_session_pair_runs_over_shm_on_one_node(client: httpx.Client) -> None:
     _afd_token_ids(client, PROMPTS[0])
     assert _pair_transports("afd") == {0: "shm"}
-
-
-def test_gloo_chosen_in_config_gives_the_same_tokens(
-    client: httpx.Client, args: dict[str, object], plain_vllm: LLM
-) -> None:
-    """The same application with `connector.transport: gloo` serves over a gloo pair
-    group, token for token like plain vLLM."""
-    gloo_args = args | {"connector": {**args["connector"], "transport": "gloo"}}
-    serve.run(build_app(gloo_args), name="afd-gloo", route_prefix="/gloo")
-    try:
-        greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
-        for prompt in PROMPTS[:2]:
-            (reference,) = plain_vllm.generate([prompt], greedy, use_tqdm=False)
-            assert _afd_token_ids(client, prompt, "/gloo") == list(reference.outputs[0].token_ids), prompt
-        assert _pair_transports("afd-gloo") == {0: "gloo"}
-    finally:
-        serve.delete("afd-gloo")
