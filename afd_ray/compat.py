@@ -54,6 +54,7 @@ __all__ = [
     "create_error_response",
     "num_unfinished_requests",
     "patch_cpu_rope_3d_query",
+    "splitting_ops_with",
     "uses_mla",
     "warmup_renderer",
 ]
@@ -185,6 +186,22 @@ def warmup_renderer(renderer: OnlineRenderer) -> None:
     warmup = getattr(renderer, "warmup", None)
     if warmup is not None:
         warmup()
+
+
+def splitting_ops_with(extra: tuple[str, ...]) -> list[str]:
+    """vLLM's default piecewise splitting ops plus `extra` (`namespace::name` each).
+
+    `CompilationConfig.splitting_ops`, once given, replaces vLLM's defaults instead of
+    adding to them (`CompilationConfig.set_splitting_ops_for_v1`, vLLM 0.26 and 0.32
+    alike): the defaults are the private class list `_attention_ops` plus the two
+    KV-cache update ops appended there; this rebuilds that list.
+
+    Remove when: vLLM takes additional splitting ops without replacing its own.
+    """
+    from vllm.config import CompilationConfig
+
+    defaults = [*CompilationConfig._attention_ops, "vllm::unified_kv_cache_update", "vllm::unified_mla_kv_cache_update"]
+    return defaults + [op for op in extra if op not in defaults]
 
 
 def allow_symm_mem_shared_device() -> None:

@@ -10,15 +10,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from vllm.config import CompilationConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
 
+from afd_ray.attention.ffn_op import SPLITTING_OPS
 from afd_ray.attention.plugin import afd_architecture
-from afd_ray.compat import attention_backend
+from afd_ray.compat import attention_backend, splitting_ops_with
 from afd_ray.attention.worker import AFDWorkerExtension
 from afd_ray.attention.models.base import GATE_ON_ATTENTION
 from afd_ray.config import AttentionPoolConfig, GatePlacement, ModelConfig
 
-__all__ = ["engine_args", "engine_env"]
+__all__ = ["afd_compilation_config", "engine_args", "engine_env"]
 
 GIB = 1 << 30
 
@@ -38,6 +40,9 @@ def engine_args(
 
     Raises:
         ValueError: the checkpoint's architecture has no AFD class (names `model.source`).
+
+    Compilation: `afd_compilation_config` (eager, or vLLM's piecewise CUDA graphs split
+    at the FFN boundary ops).
 
     The KV-cache budget goes through `kv_cache_memory_bytes`, which every vLLM
     platform honours; on CPU it is what `VLLM_CPU_KVCACHE_SPACE` would set, without
@@ -62,7 +67,25 @@ def engine_args(
             GATE_ON_ATTENTION: gate_placement == "gate_on_attention",
         },
         worker_extension_cls=f"{AFDWorkerExtension.__module__}.{AFDWorkerExtension.__qualname__}",
+        compilation_config=afd_compilation_config(attention),
     )
+
+
+def afd_compilation_config(attention: AttentionPoolConfig) -> CompilationConfig:
+    """The compilation settings of an AFD attention rank.
+
+    `attention.enforce_eager`: vLLM's defaults (`enforce_eager` turns them off).
+    Otherwise vLLM's torch.compile with piecewise CUDA graphs (`cudagraph_mode:
+    PIECEWISE`) whose splitting ops are vLLM's own (attention) plus the AFD boundary
+    ops (`afd_ray.attention.ffn_op.SPLITTING_OPS`): each layer's A2F/F2A exchange and
+    each forward pass's STEP header run eagerly between captured pieces. vLLM's
+    default mode (FULL_AND_PIECEWISE) would also capture whole decode steps, replaying
+    the exchange without the host-side STEP header the FFN peer waits for.
+    On CPU vLLM compiles without graphs and ignores both settings.
+    """
+    if attention.enforce_eager:
+        return CompilationConfig()
+    return CompilationConfig(cudagraph_mode="PIECEWISE", splitting_ops=splitting_ops_with(SPLITTING_OPS))
 
 
 def engine_env(attention: AttentionPoolConfig) -> dict[str, str]:

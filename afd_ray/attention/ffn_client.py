@@ -3,7 +3,7 @@
 The runtime, not the model, owns the connector. The AttentionServer puts its
 `AttentionAssignment` into the environment variable `AFD_RAY_ASSIGNMENT` before it
 starts the vLLM engine; the engine's worker process inherits it, and the first call of
-the `afd_ray::remote_ffn` op (or `afd_connect`) opens the pair link from it. vLLM's
+the `afd_ray::remote_ffn_out` op (or `afd_connect`) opens the pair link from it. vLLM's
 own profile and warm-up forwards therefore already run through the FFN peer.
 
 The client uses only the connector contract (`afd_ray.connector.link.AttentionLink`);
@@ -95,11 +95,16 @@ class FFNClient:
         self._step_tokens = num_tokens
 
     def exchange(
-        self, hidden: torch.Tensor, layer: int, topk: tuple[torch.Tensor, torch.Tensor] | None = None
+        self,
+        hidden: torch.Tensor,
+        layer: int,
+        topk: tuple[torch.Tensor, torch.Tensor] | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """A2F + F2A of decoder layer `layer`: hidden `[T, H]` (plus, with
         `gate_on_attention`, its top-k ids `[T, k]` int64 and weights `[T, k]`
-        float32) -> FFN output `[T, H]`.
+        float32) -> FFN output `[T, H]`, written into `out` (contiguous, `hidden`'s
+        shape and dtype) when given, else into a new tensor.
 
         Raises:
             ValueError: T differs from the step announced by `begin_step`.
@@ -110,22 +115,26 @@ class FFNClient:
                 f"layer {layer}: {hidden.shape[0]} rows in a step announced with {self._step_tokens}"
             )
         if _steps.capacity == 0:
-            return self._exchange(hidden, layer, topk)
+            return self._exchange(hidden, layer, topk, out)
         start = time.perf_counter()
-        out = self._exchange(hidden, layer, topk)
+        out = self._exchange(hidden, layer, topk, out)
         self._exchange_s += time.perf_counter() - start
         return out
 
     def _exchange(
-        self, hidden: torch.Tensor, layer: int, topk: tuple[torch.Tensor, torch.Tensor] | None
+        self,
+        hidden: torch.Tensor,
+        layer: int,
+        topk: tuple[torch.Tensor, torch.Tensor] | None,
+        out: torch.Tensor | None,
     ) -> torch.Tensor:
         """One layer's exchange; on a lost peer, `_resume` when a rescue endpoint is set."""
         try:
-            return self.link.exchange(hidden, topk)
+            return self.link.exchange(hidden, topk, out)
         except PeerLostError as lost:
             if not self.assignment.rescue:
                 raise
-            return self._resume(hidden, layer, topk, lost)
+            return self._resume(hidden, layer, topk, out, lost)
 
     def _record(self) -> None:
         """Keep the finished step's timing record."""
@@ -137,7 +146,12 @@ class FFNClient:
             ))  # fmt: skip
 
     def _resume(
-        self, hidden: torch.Tensor, layer: int, topk: tuple[torch.Tensor, torch.Tensor] | None, lost: PeerLostError
+        self,
+        hidden: torch.Tensor,
+        layer: int,
+        topk: tuple[torch.Tensor, torch.Tensor] | None,
+        out: torch.Tensor | None,
+        lost: PeerLostError,
     ) -> torch.Tensor:
         """Repeat layer `layer`'s exchange on the new FFN peer the coordinator assigns
         (the rest of the step announced from `layer` on), within `peer_lost_wait_s`.
@@ -159,7 +173,7 @@ class FFNClient:
             try:
                 self.link = _open(assignment)  # JOIN: admitted at the new peer's next step boundary
                 self._header = self.link.send_header(self._step_tokens, first_layer=layer)
-                out = self.link.exchange(hidden, topk)
+                answer = self.link.exchange(hidden, topk, out)
             except (PeerLostError, RuntimeError) as again:  # that peer died too, or never admitted us
                 logger.warning("new FFN peer %d failed (%s)", assignment.ffn_rank, again)
                 _close(self.link)
@@ -167,7 +181,7 @@ class FFNClient:
             self.resumes += 1
             logger.warning("forward pass resumed at layer %d on FFN peer %d (epoch %d) after %.2f s", layer,
                            assignment.ffn_rank, assignment.epoch, time.monotonic() - started)  # fmt: skip
-            return out
+            return answer
         raise PeerLostError(self.assignment.peer, f"no new FFN peer within {self.assignment.peer_lost_wait_s} s "
                             "(connector.peer_lost_wait_s)") from lost  # fmt: skip
 

@@ -1,10 +1,23 @@
 """The hooks model code calls: `begin_ffn_step` at the start of a forward pass, and
-`afd_ray::remote_ffn` / `afd_ray::remote_moe` at each FFN boundary.
+`remote_ffn` / `remote_moe` at each FFN boundary.
 
-The FFN ops are opaque custom ops, so torch.compile traces around them (their fake
-returns `empty_like`) and the A2F/F2A I/O never enters a Dynamo graph.
-`begin_ffn_step` is a plain call from the causal-LM `forward`, outside vLLM's
-compiled decoder stack, so it runs on every forward pass.
+The FFN boundary is one opaque custom op per kind, `afd_ray::remote_ffn_out` and
+`afd_ray::remote_moe_out`, in the out-variant form vLLM's splitting ops take (as
+`vllm::unified_attention_with_output` does): the caller allocates the `[T, H]` output
+and the op writes the FFN peer's answer into it and returns nothing. torch.compile
+traces around the ops (their fakes do nothing), so the A2F/F2A I/O never enters a
+Dynamo graph.
+
+Why out-variant: with vLLM's piecewise CUDA graphs (`afd_ray.attention.engine`) the
+ops are splitting ops, run eagerly between captured pieces, and a captured piece
+replays reading the addresses it saw at capture. The output buffer is allocated by
+the `torch.empty_like` in `remote_ffn`, which vLLM's graph split puts into the
+preceding piece, so its address is the graph pool's, the same at every replay; an op
+returning a fresh tensor would hand the next piece a new address each step (seen on
+an H200: 0 of 96 tokens equal).
+
+`begin_ffn_step` is a plain call from the causal-LM `forward`, outside vLLM's compiled
+decoder stack, so it runs on every forward pass (eager and piecewise modes).
 """
 
 from __future__ import annotations
@@ -13,7 +26,10 @@ import torch
 
 from afd_ray.attention.ffn_client import ffn_client
 
-__all__ = ["begin_ffn_step", "remote_ffn", "remote_moe"]
+__all__ = ["SPLITTING_OPS", "begin_ffn_step", "remote_ffn", "remote_moe"]
+
+SPLITTING_OPS = ("afd_ray::remote_ffn_out", "afd_ray::remote_moe_out")
+"""The FFN boundary ops, by vLLM's `namespace::name`: its piecewise capture splits at them."""
 
 
 def begin_ffn_step(num_tokens: int) -> None:
@@ -22,41 +38,59 @@ def begin_ffn_step(num_tokens: int) -> None:
     ffn_client().begin_step(num_tokens)
 
 
-@torch.library.custom_op("afd_ray::remote_ffn", mutates_args=())
-def remote_ffn(hidden: torch.Tensor, layer: int) -> torch.Tensor:
-    """FFN of decoder layer `layer`, computed by the FFN pool.
+@torch.library.custom_op("afd_ray::remote_ffn_out", mutates_args=("out",))
+def remote_ffn_out(hidden: torch.Tensor, out: torch.Tensor, layer: int) -> None:
+    """Write the FFN pool's output of decoder layer `layer` into `out`.
 
     Args:
         hidden: post-attention-norm hidden states `[T, H]`, model dtype.
+        out: `[T, H]`, same dtype and device, contiguous: receives what the layer's
+            MLP/MoE would return.
         layer: decoder layer index.
-
-    Returns:
-        `[T, H]`, same dtype and device: what the layer's MLP/MoE would return.
     """
-    return ffn_client().exchange(hidden, layer)
+    ffn_client().exchange(hidden, layer, out=out)
 
 
-@remote_ffn.register_fake
-def _(hidden: torch.Tensor, layer: int) -> torch.Tensor:
-    return torch.empty_like(hidden)
+@remote_ffn_out.register_fake
+def _(hidden: torch.Tensor, out: torch.Tensor, layer: int) -> None:
+    return None
 
 
-@torch.library.custom_op("afd_ray::remote_moe", mutates_args=())
-def remote_moe(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer: int) -> torch.Tensor:
-    """MoE of decoder layer `layer` routed on the attention side (`gate_on_attention`).
+@torch.library.custom_op("afd_ray::remote_moe_out", mutates_args=("out",))
+def remote_moe_out(
+    hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor, layer: int
+) -> None:
+    """Write the MoE output of decoder layer `layer`, routed on the attention side
+    (`gate_on_attention`), into `out`.
 
     Args:
         hidden: post-attention-norm hidden states `[T, H]`, model dtype.
         topk_ids: chosen experts `[T, k]` int64.
         topk_weights: their routing weights `[T, k]` float32.
+        out: `[T, H]`, `hidden`'s dtype and device, contiguous: receives the routed
+            (and shared) experts' output.
         layer: decoder layer index.
-
-    Returns:
-        `[T, H]`, same dtype and device: routed (and shared) experts' output.
     """
-    return ffn_client().exchange(hidden, layer, (topk_ids, topk_weights))
+    ffn_client().exchange(hidden, layer, (topk_ids, topk_weights), out=out)
 
 
-@remote_moe.register_fake
-def _(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer: int) -> torch.Tensor:
-    return torch.empty_like(hidden)
+@remote_moe_out.register_fake
+def _(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor, layer: int) -> None:
+    return None
+
+
+def remote_ffn(hidden: torch.Tensor, layer: int) -> torch.Tensor:
+    """FFN of decoder layer `layer`, computed by the FFN pool: `hidden` `[T, H]`
+    (post-attention norm, model dtype) -> `[T, H]`, same dtype and device."""
+    out = torch.empty_like(hidden, memory_format=torch.contiguous_format)
+    torch.ops.afd_ray.remote_ffn_out(hidden, out, layer)
+    return out
+
+
+def remote_moe(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer: int) -> torch.Tensor:
+    """MoE of decoder layer `layer` routed on the attention side: `hidden` `[T, H]`,
+    its top-k ids `[T, k]` int64 and weights `[T, k]` float32 -> `[T, H]`, `hidden`'s
+    dtype and device."""
+    out = torch.empty_like(hidden, memory_format=torch.contiguous_format)
+    torch.ops.afd_ray.remote_moe_out(hidden, topk_ids, topk_weights, out, layer)
+    return out

@@ -1,7 +1,7 @@
 """AFD DeepSeek-V2/V3 for vLLM: MLA attention, norms, embeddings and LM head; no MoE.
 
 Every decoder layer, the `first_k_dense_replace` dense ones included, computes
-`post_attention_layernorm(attn(x) + residual)` and hands it to `afd_ray::remote_ffn`,
+`post_attention_layernorm(attn(x) + residual)` and hands it to `ffn_op.remote_ffn`,
 which returns what the layer's MoE block (gate, routed experts times
 `routed_scaling_factor`, plus shared experts) or dense MLP would have. The class
 builds no gate, experts or expert-parallel state, and loads no `mlp.*` tensors (see

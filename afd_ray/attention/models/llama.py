@@ -1,7 +1,7 @@
 """AFD Llama for vLLM: attention, norms, embeddings and LM head; no MLP.
 
 Each decoder layer computes `post_attention_layernorm(attn(x) + residual)` and hands it
-to `afd_ray::remote_ffn`, which returns what the layer's MLP would have. The class
+to `ffn_op.remote_ffn`, which returns what the layer's MLP would have. The class
 creates no MLP modules and loads no MLP weights (see `afd_ray.weights.role_of`).
 """
 

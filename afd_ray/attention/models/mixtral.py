@@ -6,7 +6,7 @@ builds from a `MixtralConfig`: no biases, `head_dim` or `hidden_size // heads`,
 neox-style rope from `rope_parameters` up to `max_position_embeddings`, and the
 engine-wide sliding window (neither reads a per-layer one). So the AFD Llama layer is
 reused unchanged: it hands `post_attention_layernorm(attn(x) + residual)` to
-`afd_ray::remote_ffn`, which returns what the layer's MoE would have. The class builds
+`ffn_op.remote_ffn`, which returns what the layer's MoE would have. The class builds
 no gate, no experts and no expert-parallel state, and loads no `block_sparse_moe.*`
 tensors (see `afd_ray.weights.role_of`).
 

@@ -1,7 +1,7 @@
 """AFD Qwen3-MoE for vLLM: attention (q/k norm), norms, embeddings and LM head; no MoE.
 
 Each decoder layer computes `post_attention_layernorm(attn(x) + residual)` and hands it
-to `afd_ray::remote_ffn`, which returns what the layer's sparse MoE block (or dense MLP,
+to `ffn_op.remote_ffn`, which returns what the layer's sparse MoE block (or dense MLP,
 for `mlp_only_layers`) would have. The class builds no gate, no experts and no
 expert-parallel state, and loads no `mlp.*` tensors (see `afd_ray.weights.role_of`).
 
