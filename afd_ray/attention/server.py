@@ -347,6 +347,11 @@ class AttentionServer:
         (totals,) = await self._engine.collective_rpc("afd_param_bytes")
         return totals
 
+    async def graphs_captured(self) -> int:
+        """CUDA graphs the vLLM worker captured (`AFDWorkerExtension.afd_graphs_captured`)."""
+        (count,) = await self._engine.collective_rpc("afd_graphs_captured")
+        return count
+
     async def check_health(self) -> None:
         """Serve's periodic health check.
 

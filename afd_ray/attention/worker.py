@@ -37,6 +37,13 @@ class AFDWorkerExtension:
             totals[key] += param.numel() * param.element_size()
         return dict(totals)
 
+    def afd_graphs_captured(self) -> int:
+        """CUDA graphs vLLM captured in this worker (its `compilation_counter`; with
+        piecewise graphs, one per piece and batch size; 0 when eager)."""
+        from vllm.compilation.counter import compilation_counter
+
+        return compilation_counter.num_cudagraph_captured
+
     def afd_connect(self, step_records: int) -> None:
         """Open the pair channel to the FFN peer now (JOIN), not at the first forward
         pass (vLLM's CPU engine runs none at start-up); keep the last `step_records`

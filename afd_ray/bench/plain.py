@@ -6,10 +6,13 @@ behind vLLM's OpenAI serving layer). A separate `vllm serve` would skip two Serv
 and use its own HTTP server, so the comparison would mix the cost of AFD with the
 cost of Ray Serve. Here the plain engine runs in a `PlainServer` replica behind the very
 same `Ingress` class, with the same engine arguments (`engine_args` of the attention
-pool, minus the two things that make it an AFD rank: the architecture override and
-the AFD worker extension) and the same engine environment (`engine_env`). The only
-difference left is the one measured: the whole model in one vLLM engine, against
-attention in vLLM plus the FFN pool.
+pool, minus the three things that make it an AFD rank: the architecture override, the
+AFD worker extension and the AFD compilation settings) and the same engine environment
+(`engine_env`). The plain engine keeps vLLM's own compilation defaults: with
+`enforce_eager: false` its default CUDA-graph mode (FULL_AND_PIECEWISE on CUDA),
+against the AFD rank's piecewise graphs split at the FFN ops, so each side runs its
+best graph setting. What is left is the one difference measured: the whole model in
+one vLLM engine, against attention in vLLM plus the FFN pool.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import os
 
 from ray import serve
 from ray.serve import Application
+from vllm.config import CompilationConfig
 
 from afd_ray.attention.engine import engine_args, engine_env
 from afd_ray.attention.server import AttentionServer
@@ -53,8 +57,9 @@ class PlainServer(AttentionServer):
         """Never set: the baseline engine is never drained or resized."""
         os.environ.update(engine_env(attention))
         checkpoint = resolve_checkpoint(model)
-        args = dataclasses.replace(
-            engine_args(model, attention, checkpoint, "gate_on_ffn"), hf_overrides={}, worker_extension_cls=""
+        args = dataclasses.replace(  # vLLM's own compilation and CUDA-graph defaults, not AFD's split
+            engine_args(model, attention, checkpoint, "gate_on_ffn"), hf_overrides={}, worker_extension_cls="",
+            compilation_config=CompilationConfig(),
         )
         self._start(args, model.name, checkpoint, metrics=True)
 

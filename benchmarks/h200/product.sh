@@ -4,19 +4,27 @@
 # under NVIDIA MPS), through the real Serve app, with random weights of a real model's
 # shape (`afd_ray.models.shapes`, `load_format: dummy`). Run from the repo root:
 #   bash benchmarks/h200/product.sh OUT [PART ...]
-# PARTs (default: dsv2):
-#   dsv2   DeepSeek-V2-Lite shape, bf16, eager, batch 16/64/256, 4096-token prompts,
+# PARTs (default: equal dsv2):
+#   equal  tests/gpu/test_serve_one_gpu.py -k "llama and graphs": tiny Llama float32
+#          through Serve on one GPU, AFD with piecewise CUDA graphs, token-equal to
+#          plain vLLM with its default graphs (the correctness check before timing)
+#   dsv2   DeepSeek-V2-Lite shape, bf16, batch 16/64/256, 4096-token prompts,
 #          128 output tokens (MLA KV: 31 KiB/token, 256 x 4224 tokens in 40 GiB)
 #   qwen3  Qwen3-30B-A3B shape, the same with 1280-token prompts (its GQA KV cache,
 #          96 KiB/token, leaves no room for 256 x 4K beside its 58 GB of experts)
 #   mla    tests/gpu/test_serve_one_gpu.py -k deepseek: tiny DeepSeek-V3 (MLA, bf16)
-#          through Serve on one GPU vs plain vLLM
-# Time limits per part: DSV2_S, QWEN3_S seconds (defaults 500, 420).
+#          through Serve on one GPU vs plain vLLM, graphs and eager
+# Both sides run CUDA graphs (`--no-enforce-eager`): plain vLLM its default mode
+# (FULL_AND_PIECEWISE), the AFD attention engine piecewise graphs split at the FFN ops
+# (`afd_ray.attention.engine.afd_compilation_config`); EAGER=1 runs both eager.
+# Time limits per part: EQUAL_S, DSV2_S, QWEN3_S seconds (defaults 200, 500, 420);
+# BATCHES (default "16 64 256") and MAX_TOKENS (default 128) trim a run.
 # Each prompt is distinct per stream; the unmeasured warm-up round sends the same
 # prompts, so the measured round's prefill is a prefix-cache hit and its TPOT is decode
 # over the full context. Exit status: the number of failed parts.
 out=${1:?result folder}; shift
-parts=${*:-dsv2}
+parts=${*:-equal dsv2}
+eager=$([ "${EAGER:-0}" = 1 ] && echo --enforce-eager || echo --no-enforce-eager)
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 VLLM_USE_FLASHINFER_SAMPLER=0
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
@@ -30,8 +38,8 @@ run() {  # run NAME SECONDS CMD...: run CMD under a bound, log to $out/NAME.log
   [ $rc -eq 0 ] || { failed=$((failed + 1)); tail -n 30 "$out/$name.log"; }
 }
 bench() {  # bench NAME SECONDS SHAPE PROMPT_TOKENS KV_GIB ATTENTION_MEMORY PLAIN_MEMORY (GPU fractions)
-  run "$1" "$2" python3 -m afd_ray.bench --platform cuda --dtype bfloat16 --families "$3" \
-    --topologies plain 1A1F --concurrency 16 64 256 --prompt-tokens "$4" --max-tokens 128 \
+  run "$1" "$2" python3 -m afd_ray.bench --platform cuda --dtype bfloat16 --families "$3" $eager \
+    --topologies plain 1A1F --concurrency ${BATCHES:-16 64 256} --prompt-tokens "$4" --max-tokens ${MAX_TOKENS:-128} \
     --requests-per-stream 1 --max-model-len $(($4 + 256)) --kv-cache-gib "$5" \
     --gpu-memory-utilization "$6" --plain-gpu-memory-utilization "$7" --checkpoints /tmp/afd-shapes --request-timeout-s 400 \
     --out "$out/$1.json"
@@ -41,9 +49,11 @@ mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
 pgrep -x nvidia-cuda-mps-control >/dev/null || nvidia-cuda-mps-control -d && echo "MPS daemon up"
 for part in $parts; do
   case $part in
+    equal) run equal "${EQUAL_S:-200}" python3 -m pytest tests/gpu/test_serve_one_gpu.py --confcutdir=tests/gpu -rs -q -s \
+        -p no:cacheprovider -k "llama and graphs" ;;
     dsv2) bench product-dsv2 "${DSV2_S:-500}" deepseek-v2-lite 4096 40 0.45 0.6 ;;
     qwen3) bench product-qwen3 "${QWEN3_S:-420}" qwen3-30b-a3b 1280 38 0.35 0.8 ;;
-    mla) run mla 240 python3 -m pytest tests/gpu/test_serve_one_gpu.py --confcutdir=tests/gpu -rs -q -s \
+    mla) run mla 400 python3 -m pytest tests/gpu/test_serve_one_gpu.py --confcutdir=tests/gpu -rs -q -s \
         -p no:cacheprovider -k deepseek ;;
     *) echo "unknown part $part"; failed=$((failed + 1)) ;;
   esac

@@ -10,8 +10,12 @@ same GPU: the attention engine (vLLM, `AttentionServer`) and the FFN rank
   greedy tokens equal for >= 95% of positions; the prompt logprobs' max abs
   difference is printed and recorded for every family.
 
-Eager engines (`CASES` says which cases are still missing and why). Needs CUDA, vLLM and Ray (the device pack); run with
-the NVIDIA MPS daemon up for speed (it is correct without). Skips visibly elsewhere.
+Each family eager and with CUDA graphs (`enforce_eager: false`): the AFD attention
+engine then runs vLLM's piecewise graphs split at the FFN boundary ops
+(`afd_ray.attention.engine.afd_compilation_config`), plain vLLM its own default graph
+mode. Needs CUDA, vLLM and Ray (the device pack); run with the NVIDIA MPS daemon up
+for speed (it is correct without). Skips visibly elsewhere. `-k graphs` or `-k eager`
+picks a mode.
 Prints one JSON line per family (`SERVE_ONE_GPU {...}`) for the results file.
 """
 
@@ -36,12 +40,8 @@ pytestmark = [
 PROMPTS = ["The quick brown fox", "def main():", "Hello, my name is", "import os", "class Node:", "In the beginning"]
 LENGTHS = [4, 24, 9, 16, 31, 12]
 FAMILIES = {"llama": "float32", "qwen3_moe": "float32", "deepseek_v3": "bfloat16"}
-CASES = [("llama", True), ("qwen3_moe", True), ("deepseek_v3", True)]
-"""(family, eager). Not here yet: CUDA graphs on the attention side (vLLM's piecewise
-capture split at `afd_ray::remote_ffn`), seen failing on an H200 with vLLM 0.26.0:
-0 of 96 tokens equal, because the op returns a new tensor each call while the next
-captured piece replays reading the address it saw at capture; it needs an
-out-variant op writing into a buffer of the previous piece."""
+CASES = [(family, eager) for eager in (False, True) for family in FAMILIES]
+"""(family, eager): CUDA-graph cases first."""
 BF16_MIN_EQUAL = 0.95
 
 
@@ -51,7 +51,7 @@ def _plain(checkpoint: Path, dtype: str, eager: bool) -> tuple[list[list[int]], 
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     try:
-        llm = LLM(str(checkpoint), dtype=dtype, enforce_eager=eager, max_model_len=512,
+        llm = LLM(str(checkpoint), dtype=dtype, enforce_eager=eager, max_model_len=512, max_num_seqs=8,
                   kv_cache_memory_bytes=1 << 28, gpu_memory_utilization=0.3)
         tokens, logprobs = [], []
         for prompt, length in zip(PROMPTS, LENGTHS, strict=True):
@@ -114,6 +114,7 @@ def test_afd_on_one_gpu_equals_plain_vllm(serve_url: str, family: str, eager: bo
     try:
         serve.run(build_app(args), name=name, route_prefix=f"/{name}")
         started_s = time.perf_counter() - start
+        graphs = serve.get_deployment_handle("attention", app_name=name).graphs_captured.remote().result()
         with httpx.Client(base_url=serve_url, timeout=300) as http:
             got, got_logprobs = [], []
             for prompt, length in zip(PROMPTS, LENGTHS, strict=True):
@@ -135,9 +136,10 @@ def test_afd_on_one_gpu_equals_plain_vllm(serve_url: str, family: str, eager: bo
     record = {
         "family": family, "eager": eager, "dtype": dtype, "equal_positions": equal, "positions": positions,
         "all_equal": got == expected, "prompt_logprob_max_abs_diff": max(diffs) if diffs else None,
-        "app_start_s": started_s, "gpu": torch.cuda.get_device_name(0),
+        "app_start_s": started_s, "graphs_captured": graphs, "gpu": torch.cuda.get_device_name(0),
     }
     print("SERVE_ONE_GPU " + json.dumps(record), flush=True)
+    assert (graphs > 0) != eager, record  # graph cases really captured; eager ones did not
     if dtype == "float32":
         assert got == expected
     else:
