@@ -19,6 +19,9 @@
 # (`afd_ray.attention.engine.afd_compilation_config`); EAGER=1 runs both eager.
 # Time limits per part: EQUAL_S, DSV2_S, QWEN3_S seconds (defaults 200, 500, 420);
 # BATCHES (default "16 64 256") and MAX_TOKENS (default 128) trim a run.
+# Last, `python -m afd_ray.bench.summary` writes OUT/product.json (the issue-13 keys) from
+# what the parts wrote; run `micro.sh OUT cuda_ipc moe_layer` into the same OUT before
+# for its roundtrip and MoE-layer keys.
 # Each prompt is distinct per stream; the unmeasured warm-up round sends the same
 # prompts, so the measured round's prefill is a prefix-cache hit and its TPOT is decode
 # over the full context. Exit status: the number of failed parts.
@@ -58,4 +61,11 @@ for part in $parts; do
     *) echo "unknown part $part"; failed=$((failed + 1)) ;;
   esac
 done
+# The results file: equality records of the test logs, the DeepSeek-V2-Lite bench, and
+# micro.sh's cuda_ipc.json / moe_layer.json when it ran into the same OUT first.
+summary=(--serve-logs "$out"/*.log)
+[ -f "$out/product-dsv2.json" ] && summary+=(--bench "$out/product-dsv2.json")
+[ -f "$out/cuda_ipc.json" ] && summary+=(--roundtrip "$out/cuda_ipc.json")
+[ -f "$out/moe_layer.json" ] && summary+=(--moe-layer "$out/moe_layer.json")
+python3 -m afd_ray.bench.summary "${summary[@]}" --out "$out/product.json" || failed=$((failed + 1))
 exit $failed

@@ -1,0 +1,127 @@
+"""`python -m afd_ray.bench.summary`: the product-path results file of one GPU run
+(`benchmarks/results/<gpu>-<date>-product.json`) from the files its parts wrote.
+
+Inputs, each written on the device by `benchmarks/h200/product.sh` / `micro.sh`:
+- `--serve-logs`: logs of `tests/gpu/test_serve_one_gpu.py` (its `SERVE_ONE_GPU {...}`
+  lines: one record per family and graph mode);
+- `--bench`: `python -m afd_ray.bench` result JSON (`afd_ray.bench.schema.BenchResult`),
+  plain vLLM and AFD 1A:1F of one model shape;
+- `--roundtrip`: `python -m afd_ray.bench.cuda_ipc` JSON (`roundtrip_us_graph`);
+- `--moe-layer`: `python -m afd_ray.bench.moe_layer` JSON.
+
+Keys written (issue 13): `gpu`, `vllm_version`, `equal_tokens` (family -> bool: every
+mode run was equal: all tokens in float32, >= `BF16_MIN_EQUAL` of positions in
+bfloat16), `equal_tokens_by_mode`, `prompt_logprob_max_abs_diff`,
+`roundtrip_us_graph` ("1"/"16"/"128" -> µs), `moe_layer_over_floor` (DeepSeek-V2-Lite
+shape at T = 128), `afd_over_plain_tok_s` (best AFD batch over best plain batch, output
+tok/s) and `product` (batch -> tok/s and TPOT per side), plus `graphs` (whether the
+bench ran CUDA graphs). A missing input leaves its keys out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from afd_ray.bench.schema import BenchResult
+
+__all__ = ["BF16_MIN_EQUAL", "equality", "main", "product", "summarize"]
+
+BF16_MIN_EQUAL = 0.95
+"""Share of equal greedy positions that counts as equal in bfloat16 (the GPU test's bound)."""
+_RECORD = "SERVE_ONE_GPU "
+_MOE_SHAPE, _MOE_TOKENS = "deepseek_v2_lite", "128"
+
+
+def equality(logs: list[Path]) -> dict[str, object]:
+    """`equal_tokens`, `equal_tokens_by_mode` and `prompt_logprob_max_abs_diff` from the
+    `SERVE_ONE_GPU` records of the GPU test's logs (a later record of the same family
+    and mode replaces an earlier one)."""
+    records: dict[tuple[str, str], dict[str, object]] = {}
+    for log in logs:
+        for line in log.read_text(errors="replace").splitlines():
+            if line.startswith(_RECORD):
+                record = json.loads(line[len(_RECORD):])
+                records[(record["family"], "eager" if record["eager"] else "graphs")] = record
+    by_mode: dict[str, dict[str, dict[str, object]]] = {}
+    for (family, mode), record in sorted(records.items()):
+        share = record["equal_positions"] / record["positions"]
+        equal = record["all_equal"] if record["dtype"] == "float32" else share >= BF16_MIN_EQUAL
+        by_mode.setdefault(family, {})[mode] = {
+            "equal": equal, "equal_positions": record["equal_positions"], "positions": record["positions"],
+            "prompt_logprob_max_abs_diff": record["prompt_logprob_max_abs_diff"], "dtype": record["dtype"],
+        }  # fmt: skip
+    return {
+        "equal_tokens": {family: all(m["equal"] for m in modes.values()) for family, modes in by_mode.items()},
+        "equal_tokens_by_mode": by_mode,
+        "prompt_logprob_max_abs_diff": {
+            family: {mode: m["prompt_logprob_max_abs_diff"] for mode, m in modes.items()}
+            for family, modes in by_mode.items()
+        },
+    }
+
+
+def product(result: BenchResult) -> dict[str, object]:
+    """Per batch (concurrency) and side (`plain`, `1A1F`): output tok/s and TPOT p50;
+    `afd_over_plain_tok_s`: the best AFD 1A:1F batch's tok/s over the best plain batch's.
+
+    Raises:
+        ValueError: the result has no plain or no 1A:1F run.
+    """
+    table: dict[str, dict[str, dict[str, float]]] = {}
+    best: dict[str, float] = {}
+    for run in result.runs:
+        if run.label not in ("plain", "1A1F"):
+            continue
+        table.setdefault(str(run.concurrency), {})[run.label] = {
+            "output_tok_s": round(run.output_tokens_per_s, 1), "tpot_p50_ms": round(run.tpot.p50_ms, 2),
+        }  # fmt: skip
+        best[run.label] = max(best.get(run.label, 0.0), run.output_tokens_per_s)
+    if set(best) != {"plain", "1A1F"}:
+        raise ValueError(f"--bench: needs plain and 1A1F runs, has {sorted(best)}")
+    return {
+        "families": sorted({run.family for run in result.runs}),
+        "graphs": not result.config.enforce_eager,
+        "product": table,
+        "afd_over_plain_tok_s": round(best["1A1F"] / best["plain"], 3),
+    }
+
+
+def summarize(
+    serve_logs: list[Path], bench: Path | None, roundtrip: Path | None, moe_layer: Path | None
+) -> dict[str, object]:
+    """The results object of one GPU run (module docstring); inputs left None are skipped."""
+    out: dict[str, object] = {}
+    if bench is not None:
+        result = BenchResult.model_validate_json(bench.read_text())
+        out |= {"gpu": result.machine.gpu, "vllm_version": result.machine.vllm, "date": result.created}
+    if serve_logs:
+        out |= equality(serve_logs)
+    if roundtrip is not None:
+        out["roundtrip_us_graph"] = json.loads(roundtrip.read_text())["roundtrip_us_graph"]
+    if moe_layer is not None:
+        layer = json.loads(moe_layer.read_text())
+        out["moe_layer_over_floor"] = layer[_MOE_SHAPE]["tokens"][_MOE_TOKENS]["fused_over_floor"]
+        out.setdefault("gpu", layer["gpu"])
+        out.setdefault("vllm_version", layer["vllm_version"])
+    if bench is not None:
+        out |= product(result)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m afd_ray.bench.summary", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--serve-logs", type=Path, nargs="*", default=[], help="tests/gpu/test_serve_one_gpu.py logs")
+    parser.add_argument("--bench", type=Path, help="python -m afd_ray.bench result JSON (plain and 1A1F)")
+    parser.add_argument("--roundtrip", type=Path, help="python -m afd_ray.bench.cuda_ipc JSON")
+    parser.add_argument("--moe-layer", type=Path, help="python -m afd_ray.bench.moe_layer JSON")
+    parser.add_argument("--out", type=Path, required=True, help="the results file to write")
+    args = parser.parse_args(argv)
+    summary = summarize(args.serve_logs, args.bench, args.roundtrip, args.moe_layer)
+    args.out.write_text(json.dumps(summary, indent=2) + "\n")
+    print(json.dumps({k: summary[k] for k in ("equal_tokens", "afd_over_plain_tok_s") if k in summary}))
+
+
+if __name__ == "__main__":
+    main()
