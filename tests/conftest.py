@@ -16,6 +16,37 @@ from afd_ray.serve.app import build_app
 
 YAML = Path(__file__).parents[1] / "deployments" / "afd.yaml"
 
+FIRST, LAST = "client", "guarded"
+"""Session fixtures that each keep a Serve application (its vLLM engine, FFN rank,
+ingress and coordinator) alive from their first user to the end of the session.
+Every idle application costs CPU (Ray and Serve's own loops: about a third of a core
+measured on the 2-core CI machine) and memory, and slows every later engine start,
+so the modules using `FIRST` run first, those using `LAST` run last, and `FIRST`'s
+application is deleted right after its last user."""
+SESSION_APP = "afd"
+"""The Serve application name of `client`."""
+_LAST_USER = pytest.StashKey[pytest.Item]()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Order whole modules (tests inside a module keep their order): those that use
+    `FIRST`, then the others, then those that use `LAST`; stable otherwise."""
+    uses: dict[object, set[str]] = {}
+    for item in items:
+        uses.setdefault(item.module, set()).update(item.fixturenames)
+    items.sort(key=lambda item: 0 if FIRST in uses[item.module] else 2 if LAST in uses[item.module] else 1)
+    users = [item for item in items if FIRST in item.fixturenames]
+    if users:
+        config.stash[_LAST_USER] = users[-1]
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """Delete `FIRST`'s application once its last user is done (the session's Serve
+    instance stays for the others)."""
+    if item is item.config.stash.get(_LAST_USER, None) and nextitem is not None:
+        serve.delete(SESSION_APP)
+
 
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[None]:
@@ -68,6 +99,6 @@ def serve_url(ray_cluster: None) -> Iterator[str]:
 def client(serve_url: str, args: dict[str, object]) -> Iterator[httpx.Client]:
     """An HTTP client of the shipped application, deployed once per session at `/`
     (its vLLM engine and FFN rank are reused by every test)."""
-    serve.run(build_app(args), name="afd", route_prefix="/")
+    serve.run(build_app(args), name=SESSION_APP, route_prefix="/")
     with httpx.Client(base_url=serve_url, timeout=120) as http:
         yield http

@@ -12,6 +12,7 @@ one place, so a Ray upgrade changes only this module.
 from __future__ import annotations
 
 import asyncio
+import functools
 
 import ray
 from ray import serve
@@ -21,7 +22,11 @@ from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 __all__ = ["app_deleting", "replica_states", "set_num_replicas", "target_replicas"]
 
 
+@functools.cache
 def _controller() -> ray.actor.ActorHandle:
+    """The Serve controller's handle, looked up once per process: the coordinator polls
+    replica states twice a second, and `ray.get_actor` is a blocking GCS round trip.
+    The controller restarts under the same handle (Serve sets `max_restarts=-1`)."""
     return ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
 
 
