@@ -124,7 +124,10 @@ class AttentionServer:
         Raises:
             ValueError: `model.source` cannot be resolved to a checkpoint folder, or
                 its architecture has no AFD class.
-            TimeoutError: no FFN rank registered within `connector.timeout_s`.
+            TimeoutError: the FFN layout did not serve within
+                `autoscale.resize_timeout_s` (a starting FFN rank is waited for as
+                long as a resize may take: under load its start can outlast
+                `connector.timeout_s`, the bound on a running peer).
         """
         replica = serve.get_replica_context().replica_id.unique_id
         node = ray.get_runtime_context().get_node_id()
@@ -132,7 +135,8 @@ class AttentionServer:
         self._rescue.setsockopt(zmq.LINGER, 0)
         port = self._rescue.bind_to_random_port("tcp://127.0.0.1")
         self._rescue_fields = {"rescue": f"tcp://127.0.0.1:{port}", "peer_lost_wait_s": connector.peer_lost_wait_s}
-        assignment = self._with_rescue(await coordinator.assign_attention.remote(connector.timeout_s, replica, node))
+        wait_s = autoscale.resize_timeout_s
+        assignment = self._with_rescue(await coordinator.assign_attention.remote(wait_s, replica, node))
         self.rank = assignment.peer
         self._replica, self._node = replica, node
         self._assignment = assignment
