@@ -175,10 +175,11 @@ class FFNPoolConfig(_Section):
     placement: PoolPlacement = PoolPlacement()
     """Ray nodes the FFN ranks may run on (default: any)."""
 
-    heartbeat_timeout_s: float = Field(10.0, gt=0)
+    heartbeat_timeout_s: float = Field(30.0, gt=0)
     """An FFN rank that sent no report (every 0.2 s) for this long is dead: the
     coordinator removes it from the layout (a killed replica is found sooner, from
-    Serve's replica states), seconds."""
+    Serve's replica states), seconds. 10 s declared a live, loading rank dead on a
+    2-core machine at load average 11."""
 
     ep_idle_check_us: int = Field(2000, ge=100)
     """With several FFN ranks (EP), how often an idle rank checks in with its EP
