@@ -64,17 +64,23 @@ class EPGroup:
         self.first_layer = 0
         """The layer the step of the last `agree()` starts at: the largest `first_layer`
         of the ranks that have tokens (0 when none has). Every rank runs the layers from
-        there, including a rank with no local step."""
+        there, including a rank with no local step; a rank whose local step starts at
+        another layer takes part without rows (`step_tokens` 0) and keeps its step for
+        a later agreement."""
         self.collective_s = 0.0
         """Host time spent waiting in the MoE layers' all-gathers and reduce-scatters
         since start, seconds (on CUDA: launch time; inside a captured graph: none)."""
 
     def agree(self, local_tokens: int, ready: bool = False, first_layer: int = 0) -> int:
-        """Sum of every EP rank's token count for the next step (0: nobody steps).
+        """Sum of the token counts of the EP ranks that take part in the next step
+        (0: nobody steps).
 
         One all-reduce of a `[2P+1]` int64 vector (this rank's count at its rank, its
         `ready` flag added at P, its step's `first_layer` at P+1+rank), then a host
-        read; it also sets `step_tokens`, `all_ready` and `first_layer`.
+        read; it also sets `step_tokens`, `all_ready` and `first_layer`. Ranks whose
+        step starts at another layer than the agreed `first_layer` (steps resumed at a
+        later layer after an FFN rank was lost, beside fresh ones) count 0 tokens in
+        `step_tokens`: every rank computes the same choice from the same vector.
         """
         counts = torch.zeros(2 * self.size + 1, dtype=torch.int64, device=self._device)  # [2P+1]
         counts[self.rank] = local_tokens
@@ -83,9 +89,9 @@ class EPGroup:
         self.group.allreduce([counts]).wait()
         values = counts.tolist()
         tokens, num_ready, firsts = values[: self.size], values[self.size], values[self.size + 1 :]
-        self.step_tokens = tuple(tokens)
         self.all_ready = num_ready == self.size
         self.first_layer = max((f for t, f in zip(tokens, firsts) if t > 0), default=0)
+        self.step_tokens = tuple(t if f == self.first_layer else 0 for t, f in zip(tokens, firsts))
         return sum(self.step_tokens)
 
     def _all_gather(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -78,3 +78,32 @@ def test_ep_moe_equals_the_single_rank_moe(tmp_path: Path, family: str, tokens: 
                 assert got.shape == (tokens[r], full.hidden_size)
                 # Each token's routed rows are summed per owning rank first: float32 rounding only.
                 torch.testing.assert_close(got, full(layer, hidden), rtol=1e-5, atol=1e-5)
+
+
+def test_a_step_resumed_at_another_layer_waits_for_its_own_agreement() -> None:
+    """EP rank 0 resumes a step at layer 2 (its attention peer lost its FFN rank
+    mid-pass) while rank 1 has a fresh step from layer 0: the group runs layer 2 on,
+    and rank 1 takes part without rows (its step would have run the wrong layers;
+    before, both ranks' rows ran from layer 2). At the next agreement rank 1 steps."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    agreed: dict[int, list[tuple[int, tuple[int, ...], int]]] = {}
+    errors: list[BaseException] = []
+
+    def rank(r: int, rounds: list[tuple[int, int]]) -> None:
+        try:
+            client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=30))
+            ep = EPGroup(new_process_group("gloo", dist.PrefixStore("ep", client), r, 2, 30), 8, CPU)
+            agreed[r] = [(ep.agree(t, first_layer=f), ep.step_tokens, ep.first_layer) for t, f in rounds]
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
+            errors.append(exc)
+
+    threads = [
+        threading.Thread(target=rank, args=(0, [(5, 2), (0, 0)])),
+        threading.Thread(target=rank, args=(1, [(3, 0), (3, 0)])),
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors, errors
+    assert agreed[0] == agreed[1] == [(5, (5, 0), 2), (3, (0, 3), 0)]
