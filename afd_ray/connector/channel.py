@@ -345,8 +345,9 @@ class FFNChannel:
     def recv_header(self, timeout_s: float) -> StepHeader | None:
         """Next valid header, or None if none arrived within `timeout_s`.
 
-        A header from an older epoch than its peer's pairing (rule 4) is dropped with
-        a warning, and None returned.
+        A header from an older epoch than its peer's pairing (rule 4), or a STEP of a
+        pair that is closed (its peer was lost, or the FFN rank lost its EP group), is
+        dropped with a warning, and None returned.
         """
         if not self._pull.poll(timeout_s * 1000):
             return None
@@ -355,6 +356,9 @@ class FFNChannel:
         if header.kind is HeaderKind.JOIN and (joined is None or header.epoch >= joined):
             self._peer_epochs[header.peer] = header.epoch
             return header
+        if header.kind is HeaderKind.STEP and header.epoch == joined and header.peer not in self._pairs:
+            logger.warning("dropped %s: the pair of peer %d is closed", header, header.peer)
+            return None
         if header.kind is not HeaderKind.JOIN and header.epoch == joined:
             return header
         logger.warning("dropped %s: peer %d is paired under epoch %s", header, header.peer, joined)

@@ -39,6 +39,9 @@ __all__ = ["FFNRuntime", "LayoutSwitch"]
 
 logger = logging.getLogger(__name__)
 
+_LAYOUT_POLL_S = 0.05
+"""While the EP group is lost: how often the loop checks for the next layout, seconds."""
+
 
 @dataclass(frozen=True)
 class LayoutSwitch:
@@ -66,9 +69,19 @@ class FFNRuntime:
     after it, at the step boundary. The STEP headers of one step share their
     `first_layer`; a header with another one (a step resumed on this rank after
     its peer lost its FFN rank) starts the next step instead. With EP every rank
-    must run the same layers, so resumed steps need the whole EP group to agree
-    on them (not handled here). No peer ever has two steps in flight (rule 2 of
-    `afd_ray.connector.channel`), so a formed step cannot wait on itself.
+    must run the same layers: the group agrees on one `first_layer` per step
+    (`EPGroup.agree`), and a rank whose step starts elsewhere runs that one without
+    rows and its own at the next agreement. No peer ever has two steps in flight
+    (rule 2 of `afd_ray.connector.channel`), so a formed step cannot wait on itself.
+
+    Failures (DESIGN §12): an attention peer lost inside a step gets nothing more;
+    the step runs to its end for the others (its rows zeroed; with EP the other
+    ranks wait for this one in every layer) and its pair is closed at the boundary.
+    A failed EP collective (an EP rank died) closes every attention pair, so the
+    attention ranks fail at once and wait for their re-peering, and the loop serves
+    nothing until the coordinator's re-formed layout is handed over
+    (`prepare_switch`), which it switches to at once; past `ep_lost_wait_s` the loop
+    ends (the coordinator then replaces this rank too).
 
     With an EP group (F > 1 FFN ranks), every FFN rank runs every step (lockstep,
     `afd_ray.ffn.ep`): after forming its local step it all-reduces its token count
@@ -97,6 +110,8 @@ class FFNRuntime:
         epoch: the layout epoch this rank starts in.
         graph_buckets: padded token counts per FFN rank captured as CUDA graphs.
         step_records: FFN steps kept in `steps` (a ring buffer).
+        ep_lost_wait_s: how long a rank whose EP group failed waits for the re-formed
+            layout (`prepare_switch`) before its loop ends, seconds.
 
     Timing records: every step appends an `FFNStep` to `steps` (per peer its header
     and batching-window wait; compute, EP collective and F2A send times), read by the
@@ -116,6 +131,7 @@ class FFNRuntime:
         epoch: int = 0,
         graph_buckets: Sequence[int] = DEFAULT_BUCKETS,
         step_records: int = 4096,
+        ep_lost_wait_s: float = 120.0,
     ) -> None:
         self.model = model
         self.channel = channel
@@ -144,33 +160,45 @@ class FFNRuntime:
         self._compute: FFNGraphs | None = None
         self._deferred: StepHeader | None = None
         """A STEP read while forming a step of another `first_layer`: starts the next."""
+        self._held: tuple[list[StepHeader], dict[int, float]] | None = None
+        """A formed step the EP group did not run (it agreed on another `first_layer`)."""
+        self._ep_lost_wait_s = ep_lost_wait_s
+        self._ep_lost_at: float | None = None
+        """When the EP group failed (`time.monotonic()`); None while it serves."""
 
     def run(self) -> None:
-        """Serve headers until `stop()`; then close the channel (same thread)."""
+        """Serve headers until `stop()`; then close the channel (same thread).
+
+        Raises:
+            RuntimeError: the EP group failed and no new layout was handed over within
+                `ep_lost_wait_s` (the coordinator then finds this rank's loop stopped).
+        """
         try:
             while not self._stop.is_set():
-                header, self._deferred = self._deferred or self.channel.recv_header(self._poll_s), None
-                steps: list[StepHeader] = []
+                if self._ep_lost_at is not None and not self._await_layout():
+                    continue
+                steps, arrived = self._held or ([], {})
+                self._held = None
                 membership: list[StepHeader] = []
-                arrived: dict[int, float] = {}
-                if header is not None and header.kind is HeaderKind.STEP:
-                    steps, membership, arrived = self._form_step(header)
-                elif header is not None:
-                    membership.append(header)
+                if not steps:
+                    header, self._deferred = self._deferred or self.channel.recv_header(self._poll_s), None
+                    if header is not None and header.kind is HeaderKind.STEP:
+                        steps, membership, arrived = self._form_step(header)
+                    elif header is not None:
+                        membership.append(header)
                 pending = self._pending
                 first_layer = steps[0].first_layer if steps else 0
+                lost: set[int] = set()
                 if self.ep is None:
-                    run_step, switch = bool(steps), pending is not None
+                    switch = pending is not None
+                    if steps and not self.left:
+                        lost = self._step(steps, arrived, first_layer)
                 else:  # an EP rank with no local step still runs the group's layers
-                    tokens = sum(step.num_tokens for step in steps)
-                    run_step = self.ep.agree(tokens, pending is not None, first_layer) > 0
-                    switch, first_layer = self.ep.all_ready, self.ep.first_layer
-                if run_step and not self.left:
-                    self._step(steps, arrived, first_layer)
+                    switch, lost = self._ep_step(steps, arrived, first_layer, pending is not None)
                 start = time.perf_counter()
                 for change in membership:
                     self._apply(change)
-                dead = self._dead.intersection(self.channel.peers)
+                dead = self._dead.intersection(self.channel.peers) | lost
                 for peer in dead:
                     self.channel.remove(peer)
                     logger.warning("FFN dropped attention rank %d: it vanished without LEAVE", peer)
@@ -180,6 +208,62 @@ class FFNRuntime:
                     self._pause_s = max(self._pause_s, time.perf_counter() - start)
         finally:
             self.channel.close()
+
+    def _ep_step(
+        self, steps: list[StepHeader], arrived: dict[int, float], first_layer: int, ready: bool
+    ) -> tuple[bool, set[int]]:
+        """Agree on the next step with the EP group and run it; returns whether the
+        group switches layout after it, and the attention peers lost during it. A step
+        of this rank that starts at another layer than the group's waits (`_held`) for
+        a later agreement. A failed collective (an EP rank died, or the group timed
+        out) drops every attention pair, so their ranks fail at once and wait for
+        their re-peering, and the loop waits for the next layout (`_await_layout`)."""
+        assert self.ep is not None
+        try:
+            tokens = sum(step.num_tokens for step in steps)
+            run_step = self.ep.agree(tokens, ready, first_layer) > 0
+            if steps and self.ep.step_tokens[self.ep.rank] == 0:
+                self._held = (steps, arrived)
+                steps = []
+            lost = self._step(steps, arrived, self.ep.first_layer) if run_step and not self.left else set()
+            return self.ep.all_ready, lost
+        except RuntimeError as exc:  # PeerLostError of an attention peer is handled in _step
+            self._lose_ep(exc)
+            return False, set()
+
+    def _lose_ep(self, exc: RuntimeError) -> None:
+        """The EP group failed: close every attention pair and the group; the rank
+        serves nothing until a new layout is handed over."""
+        assert self.ep is not None
+        logger.warning("FFN EP group of epoch %d failed (%s); waiting for the re-formed layout", self.epoch, exc)
+        for peer in self.channel.peers:
+            self.channel.remove(peer)
+        self._held, self._deferred, self._compute = None, None, None
+        group, self.ep = self.ep.group, None
+        try:
+            group.shutdown()
+        except RuntimeError:
+            logger.debug("shutting down the failed EP group raised", exc_info=True)
+        self._ep_lost_at = time.monotonic()
+
+    def _await_layout(self) -> bool:
+        """While the EP group is lost: switch to the next layout once it is handed over
+        (True: serve again), else wait one poll (False).
+
+        Raises:
+            RuntimeError: none came within `ep_lost_wait_s` of the loss.
+        """
+        assert self._ep_lost_at is not None
+        pending = self._pending
+        if pending is not None:
+            self._switch(pending)
+            self._pause_s = max(self._pause_s, time.monotonic() - self._ep_lost_at)
+            self._ep_lost_at = None
+            return True
+        if time.monotonic() - self._ep_lost_at > self._ep_lost_wait_s:
+            raise RuntimeError(f"FFN EP group lost and no new layout within {self._ep_lost_wait_s} s")
+        self._stop.wait(_LAYOUT_POLL_S)
+        return False
 
     def stop(self) -> None:
         """Ask `run()` to return within one poll interval."""
@@ -265,7 +349,14 @@ class FFNRuntime:
             logger.info("attention rank %d left (epoch %d)", header.peer, header.epoch)
 
     @torch.inference_mode()
-    def _step(self, steps: list[StepHeader], arrived: dict[int, float], first_layer: int) -> None:
+    def _step(self, steps: list[StepHeader], arrived: dict[int, float], first_layer: int) -> set[int]:
+        """Run the layers from `first_layer` for `steps`; returns the attention peers
+        lost on the way. A lost peer's rows are zeroed and it gets nothing more, but the
+        step runs to its end: with EP the other ranks wait for this one in every layer.
+
+        Raises:
+            RuntimeError: an EP collective failed (not a `PeerLostError`).
+        """
         start = time.perf_counter()
         wall = time.time()
         ep_before = self.ep.collective_s if self.ep is not None else 0.0
@@ -278,10 +369,18 @@ class FFNRuntime:
         rows = hidden.split(sizes)  # per peer: a view [T_i, H] into hidden
         topk = None if inputs.routing is None else [t[:tokens] for t in inputs.routing]  # ids, weights: [ΣT_i, k]
         layers = range(first_layer, self.model.num_layers)
+        lost: set[int] = set()
         for layer in layers:
             for i, (step, peer_rows) in enumerate(zip(steps, rows)):
+                if step.peer in lost:
+                    continue
                 peer_topk = None if topk is None else tuple(t.split(sizes)[i] for t in topk)  # [T_i, k] views
-                self.channel.recv_a2f(step.peer, peer_rows, peer_topk)
+                try:
+                    self.channel.recv_a2f(step.peer, peer_rows, peer_topk)
+                except PeerLostError as exc:
+                    self._lost(step.peer, layer, exc, lost)
+                    for part in (peer_rows, *(peer_topk or ())):
+                        part.zero_()  # finite rows for the rest of the step (expert 0, weight 0)
             computing = time.perf_counter()
             out, routed = compute.run(layer, inputs)  # [R, H]; [R, k] int64 for an MoE layer
             if routed is not None:
@@ -290,7 +389,11 @@ class FFNRuntime:
             sending = time.perf_counter()
             compute_s += sending - computing
             for step, peer_out in zip(steps, out[:tokens].split(sizes)):
-                self.channel.send_f2a(step.peer, peer_out)
+                if step.peer not in lost:
+                    try:
+                        self.channel.send_f2a(step.peer, peer_out)
+                    except PeerLostError as exc:
+                        self._lost(step.peer, layer, exc, lost)
             f2a_s += time.perf_counter() - sending
         layer_bytes = hidden.numel() * hidden.element_size()  # [ΣT_i, H] one way, one layer
         topk_bytes = sum(t.numel() * t.element_size() for t in topk) if topk is not None else 0
@@ -310,3 +413,9 @@ class FFNRuntime:
             a2f_bytes=stats.a2f_bytes + (layer_bytes + topk_bytes) * len(layers),
             f2a_bytes=stats.f2a_bytes + layer_bytes * len(layers),
         )
+        return lost
+
+    @staticmethod
+    def _lost(peer: int, layer: int, exc: PeerLostError, lost: set[int]) -> None:
+        logger.warning("FFN lost attention rank %d at layer %d (%s); the step goes on without it", peer, layer, exc)
+        lost.add(peer)

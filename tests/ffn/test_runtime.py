@@ -199,6 +199,26 @@ def test_each_step_leaves_a_timing_record_per_peer(runtime: FFNRuntime) -> None:
     assert runtime.steps.take_new() == [record] and runtime.steps.take_new() == []
 
 
+@pytest.mark.window(30.0)
+def test_a_peer_lost_inside_a_step_does_not_stop_the_step_or_the_loop(runtime: FFNRuntime) -> None:
+    """Peers 0 (shm) and 1 (gloo) share a step; peer 0 vanishes after layer 0 (its
+    pair closes mid-step). The FFN drops it and finishes the step for peer 1, whose
+    rows are right, then serves peer 1's next step (a `PeerLostError` inside the step
+    used to end the FFN loop; with EP the other ranks would have waited for this one)."""
+    errors: list[str] = []
+    channels = {peer: _open(runtime, peer) for peer in (0, 1)}
+    survivor = threading.Thread(target=_attention_peer, args=(runtime, channels[1], [3, 2], errors))
+    survivor.start()
+    hidden = torch.randn(4, runtime.model.hidden_size)
+    channels[0].send_header(4)
+    channels[0].exchange(hidden)
+    channels[0].close()  # gone before layer 1's A2F
+    survivor.join(60)
+    assert not survivor.is_alive() and errors == []
+    _wait_for_steps(runtime, 2)
+    assert runtime.stats.steps == 2 and runtime.channel.peers == []
+
+
 def _join_and_vanish(address: FFNAddress, peer: int, transport: str) -> None:
     """An attention rank that dies between its JOIN and its rendezvous: it announces
     `transport` in the pair's store prefix and sends JOIN (what `AttentionChannel`
