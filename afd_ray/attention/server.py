@@ -266,8 +266,9 @@ class AttentionServer:
             os.environ[ASSIGNMENT_ENV] = assignment.model_dump_json()
             await self._rescue.send_string(assignment.model_dump_json())
             await self._coordinator.attention_peered.remote(self.rank, assignment.epoch)
-            logger.warning("attention rank %d: FFN peer %d died mid-pass; its worker moves to FFN peer %d "
-                           "(epoch %d)", self.rank, held.ffn_rank, assignment.ffn_rank, assignment.epoch)  # fmt: skip
+            logger.warning("attention rank %d: lost FFN peer %d mid-pass (it died, or its EP group failed); its "
+                           "worker moves to FFN peer %d (epoch %d)", self.rank, held.ffn_rank, assignment.ffn_rank,
+                           assignment.epoch)  # fmt: skip
 
     async def _repeer(self, assignment: AttentionAssignment) -> None:
         """Close the pair with the old FFN peer (LEAVE) and join the new one, between

@@ -24,6 +24,7 @@ __all__ = [
     "live_ranks",
     "peer_load",
     "rebalance_moves",
+    "reformed_layout",
 ]
 
 
@@ -78,6 +79,17 @@ def rebalance_moves(attention: Mapping[int, AttentionMember], ranks: Sequence[in
             return moves
         peers[member.rank] = member.model_copy(update={"ffn_peer": idlest})
         moves.append((member.rank, idlest))
+
+
+def reformed_layout(old: Sequence[int], live: Sequence[int], joining: Sequence[int], target: int) -> tuple[int, ...]:
+    """The EP order of a layout re-formed after ranks of `old` were lost: every rank
+    of `old` still in `live` keeps its EP rank (so it reloads no expert), the lost
+    slots go to the other ranks of `live`, then to `joining`, in order, and the
+    layout is filled up to `target` ranks (fewer when too few ranks are left)."""
+    spare = iter([*(r for r in live if r not in old), *joining])
+    slots = [r if r in live else next(spare, None) for r in old[:target]]
+    slots += [r for r in spare][: target - len(slots)]
+    return tuple(r for r in slots if r is not None)
 
 
 def joining(ffn: Mapping[int, FFNMember], layout: Sequence[int]) -> tuple[int, ...]:

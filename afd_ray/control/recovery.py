@@ -14,10 +14,14 @@ Recovery, under the layout lock (no resize interleaves):
 2. once the live ranks of the old layout plus the registered replacements reach the
    FFN target (Serve restarts a killed replica by itself), a plan of a new epoch
    forms the layout from them: replacements load their shard of it from the
-   checkpoint, live ranks only the experts they newly own (make before break);
+   checkpoint, live ranks keep their EP ranks and load nothing, or, where they
+   must move, only the experts they newly own (make before break);
    a rank lost meanwhile restarts this step;
 3. attention ranks are rebalanced onto the new layout (re-peered under new epochs);
-   an attention rank whose engine failed with its peer is replaced by Serve.
+   with EP, the attention ranks of the surviving EP ranks are re-peered too, under
+   new epochs with the same peer: a surviving rank whose EP group failed closed
+   their pairs (`afd_ray.ffn.runtime`), and their in-step retry waits for a newer
+   epoch; an attention rank whose engine failed with its peer is replaced by Serve.
 
 The FFN side holds no request state, so nothing but time is lost on the FFN side.
 """
@@ -30,7 +34,7 @@ import time
 from collections.abc import Callable
 
 from afd_ray.control.membership import MemberState, RecoveryEvent
-from afd_ray.control.placement import joining, rebalance_moves
+from afd_ray.control.placement import joining, rebalance_moves, reformed_layout
 from afd_ray.control.registry import Plan, Registry
 from afd_ray.control.resize import FFN_DEPLOYMENT, WATCH_PERIOD_S, Resizer
 from afd_ray.control.serve_api import replica_states
@@ -138,6 +142,7 @@ class Recovery:
         registry = self._registry
         async with self._resizer.layout_lock:
             lost = sorted(r for r in dead if r in registry.layout or (registry.plan and r in registry.plan.ranks))
+            before = registry.layout
             first = min(dead)
             since = time.monotonic() - self._last_report.get(first, time.monotonic())
             self._remove(dead)
@@ -150,10 +155,15 @@ class Recovery:
             self.recovering, self._bytes = True, 0
             started = time.monotonic()
             try:
-                plan = await asyncio.wait_for(self._reform(), self._wait_s)
+                plan = await asyncio.wait_for(self._reform(before), self._wait_s)
                 moves = rebalance_moves(registry.attention, plan.ranks)
                 for rank, peer in moves:
                     registry.repeer(rank, peer)
+                if len(before) > 1:  # the surviving EP ranks dropped their attention pairs too
+                    moved = {rank for rank, _ in moves}
+                    for rank, member in sorted(registry.attention.items()):
+                        if member.state is MemberState.READY and rank not in moved and member.ffn_peer in before:
+                            registry.repeer(rank, member.ffn_peer)
                 await registry.notify()
                 update = {"epoch": plan.epoch, "whole_s": time.monotonic() - started, "bytes_loaded": self._bytes}
                 logger.info("FFN layout recovered: EP ranks %s (epoch %d) %.1f s after losing %s", plan.ranks,
@@ -165,9 +175,11 @@ class Recovery:
                 self.recovering = False
             self.events[index] = event.model_copy(update=update)
 
-    async def _reform(self) -> Plan:
+    async def _reform(self, before: tuple[int, ...]) -> Plan:
         """Form the layout from the live ranks and the replacements, under a new epoch;
-        a rank lost while this runs starts it over. Returns the plan that serves.
+        a rank lost while this runs starts it over. The live ranks of the layout
+        `before` the loss keep their EP ranks (`reformed_layout`). Returns the plan
+        that serves.
 
         Raises:
             TimeoutError: not within `wait_s` seconds.
@@ -182,7 +194,7 @@ class Recovery:
             if dead:
                 self._remove(dead)
                 continue
-            ranks = (registry.layout + joining(registry.ffn, registry.layout))[:target]
+            ranks = reformed_layout(before, registry.layout, joining(registry.ffn, registry.layout), target)
             plan = Plan(registry.next_epoch(), ranks, None)
             registry.plan = plan
             logger.info("FFN recovery: layout of epoch %d from ranks %s", plan.epoch, ranks)

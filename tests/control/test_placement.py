@@ -20,6 +20,7 @@ from afd_ray.control.placement import (
     live_count,
     peer_load,
     rebalance_moves,
+    reformed_layout,
 )
 from afd_ray.control.registry import Plan, Registry
 
@@ -96,6 +97,18 @@ def test_rebalance_always_balances_ready_ranks() -> None:
         assert max(load.values()) - min(load.values()) <= 1, (attention, new)
         assert all(m.ffn_peer in new for m in after.values() if m.state is READY)
         assert all(after[r] == attention[r] for r in attention if attention[r].state is GONE)
+
+
+def test_a_reformed_layout_keeps_the_survivors_ep_ranks() -> None:
+    """After losing EP rank 0 of (0, 1), the survivor 1 stays EP rank 1 (it reloads
+    nothing) and the replacement 2 takes the lost slot (it used to become EP rank 1
+    and rank 1 moved to EP rank 0, reloading every expert of both)."""
+    assert reformed_layout((0, 1), (1,), (2,), 2) == (2, 1)
+    assert reformed_layout((0, 1), (0,), (2,), 2) == (0, 2)
+    assert reformed_layout((0, 1, 2), (0, 2), (5, 6), 3) == (0, 5, 2)
+    assert reformed_layout((0,), (), (1,), 1) == (1,)  # 1A:1F: the replacement alone
+    assert reformed_layout((0, 1), (1,), (2, 3), 3) == (2, 1, 3)  # grown to the target
+    assert reformed_layout((0, 1, 2), (2,), (4,), 3) == (4, 2)  # too few ranks: a smaller layout
 
 
 def test_joining_and_live_count() -> None:
