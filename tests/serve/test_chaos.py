@@ -1,17 +1,21 @@
 """Chaos: SIGKILL the FFN replica's process while greedy streams run, twice in a row,
 and the service comes back by itself; SIGKILL the coordinator and serving goes on;
-SIGKILL one of two attention replicas and its streams resume on the other (a tiny Qwen3-MoE, float32, 1A:1F, real Ray
-cluster, real vLLM, real HTTP).
+then, scaled to 2A:2F (EP2 over the two FFN ranks), SIGKILL one of the two FFN
+ranks, and SIGKILL one of the two attention replicas: its streams resume on the
+other (a tiny Qwen3-MoE, float32, real Ray cluster, real vLLM, real HTTP; one app
+for all, the tests run in this order).
 
-What is checked, per kill:
+What is checked, per FFN kill:
 - a pause, not a request: every stream completes with exactly the tokens of the
   unfailed run (none lost, none repeated, no error); the attention rank blocked in
   the forward pass waits for its new FFN peer and repeats the current layer there;
+  with EP the surviving FFN rank re-forms the EP group with the replacement under a
+  new epoch, keeps its experts, and its attention rank repeats the layer too;
 - every refused request during the recovery is a 503 with `Retry-After`;
 - the coordinator records the loss (`/afd/status` `recoveries`): how it was found, the
   detection delay, the time until the FFN layout served again, the bytes reloaded;
-- the layout is whole again (FFN target serving, the attention rank READY on a live
-  FFN peer) and a new request equals the unfailed run.
+- the layout is whole again (FFN target serving, the attention ranks READY on live
+  FFN peers) and a new request equals the unfailed run.
 The figures are printed (run with -s to see them).
 """
 
@@ -78,7 +82,7 @@ def chaos(serve_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         "model": {"source": str(checkpoint), "served_name": "tiny", "max_model_len": 512},
         "attention": {"num_ranks": 1, "max_ranks": 2, "kv_cache_gib": 0.125, "max_num_seqs": 8,
                       "bundle_resources": 0.5},
-        "ffn": {"num_ranks": 1, "bundle_resources": 0.5},
+        "ffn": {"num_ranks": 1, "max_ranks": 2, "bundle_resources": 0.5},
         "connector": {"timeout_s": 60},
     }  # fmt: skip
     serve.run(build_app(args), name=NAME, route_prefix=PREFIX, external_scaler_enabled=True)
@@ -144,51 +148,55 @@ def _whole(http: httpx.Client) -> bool:
                     for m in attention))  # fmt: skip
 
 
+def _kill_ffn(chaos: httpx.Client, reference: list[list[int]], pid: int) -> dict:
+    """SIGKILL FFN process `pid` while 4 greedy streams run; check that each equals
+    the unfailed run and that the layout becomes whole again; returns the figures."""
+    recoveries = len(chaos.get("/afd/status").json()["recoveries"])
+    results = [_Result() for _ in PROMPTS]
+    threads = [threading.Thread(target=_stream, args=(chaos, i, r)) for i, r in enumerate(results)]
+    for thread in threads:
+        thread.start()
+    _wait_tokens(results)
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    for thread in threads:
+        thread.join(120)
+    assert not any(thread.is_alive() for thread in threads), "a stream hung"
+    for prompt, result in enumerate(results):  # a pause, not a request: all complete, none repeated
+        assert result.error is None and result.tokens == reference[prompt], (prompt, result)
+    refused = []
+    while not _whole(chaos):
+        assert time.monotonic() - killed < WHOLE_WITHIN_S, _status(chaos)
+        probe = chaos.post("/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2})
+        if probe.status_code != 200:
+            refused.append(probe)
+        time.sleep(1)
+    whole_s = time.monotonic() - killed
+    assert all(r.status_code == 503 and r.headers.get("retry-after") for r in refused), [
+        (r.status_code, r.text[:200]) for r in refused
+    ]
+    after = _Result()
+    _stream(chaos, 0, after)
+    assert after.error is None and after.tokens == reference[0], after
+    status = chaos.get("/afd/status").json()
+    assert len(status["recoveries"]) == recoveries + 1, status["recoveries"]
+    event = status["recoveries"][-1]
+    assert event["error"] is None and event["whole_s"] is not None, event
+    gaps = [b - a for r in results for a, b in zip(r.times, r.times[1:])]
+    return {
+        "lost": event["lost"], "completed": sum(r.error is None for r in results),
+        "ended_with_error": sum(r.error is not None for r in results),
+        "max_gap_s": round(max(gaps, default=0.0), 3), "detected_after_s": round(event["since_report_s"], 3),
+        "cause": event["cause"], "ffn_layout_back_s": round(event["whole_s"], 1),
+        "whole_s": round(whole_s, 1), "bytes_reloaded": event["bytes_loaded"], "refused_503": len(refused),
+    }  # fmt: skip
+
+
 def test_ffn_sigkill_costs_no_hang_and_the_service_comes_back(chaos: httpx.Client, reference: list[list[int]]) -> None:
-    figures = []
-    for kill in range(KILLS):
-        results = [_Result() for _ in PROMPTS]
-        threads = [threading.Thread(target=_stream, args=(chaos, i, r)) for i, r in enumerate(results)]
-        for thread in threads:
-            thread.start()
-        _wait_tokens(results)
-        pid = _pid("ffn")
-        os.kill(pid, signal.SIGKILL)
-        killed = time.monotonic()
-        for thread in threads:
-            thread.join(120)
-        assert not any(thread.is_alive() for thread in threads), "a stream hung"
-        for prompt, result in enumerate(results):  # a pause, not a request: all complete, none repeated
-            assert result.error is None and result.tokens == reference[prompt], (prompt, result)
-        refused = []
-        while not _whole(chaos):
-            assert time.monotonic() - killed < WHOLE_WITHIN_S, _status(chaos)
-            probe = chaos.post("/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2})
-            if probe.status_code != 200:
-                refused.append(probe)
-            time.sleep(1)
-        whole_s = time.monotonic() - killed
-        assert all(r.status_code == 503 and r.headers.get("retry-after") for r in refused), [
-            (r.status_code, r.text[:200]) for r in refused
-        ]
-        after = _Result()
-        _stream(chaos, 0, after)
-        assert after.error is None and after.tokens == reference[0], after
-        status = chaos.get("/afd/status").json()
-        assert len(status["recoveries"]) == kill + 1, status["recoveries"]
-        event = status["recoveries"][-1]
-        assert event["error"] is None and event["whole_s"] is not None, event
-        gaps = [b - a for r in results for a, b in zip(r.times, r.times[1:])]
-        figures.append({
-            "kill": kill + 1, "completed": sum(r.error is None for r in results),
-            "ended_with_error": sum(r.error is not None for r in results),
-            "max_gap_s": round(max(gaps, default=0.0), 3), "detected_after_s": round(event["since_report_s"], 3),
-            "cause": event["cause"], "ffn_layout_back_s": round(event["whole_s"], 1),
-            "whole_s": round(whole_s, 1), "bytes_reloaded": event["bytes_loaded"], "refused_503": len(refused),
-        })  # fmt: skip
+    figures = [_kill_ffn(chaos, reference, _pid("ffn")) for _ in range(KILLS)]
     print("\nFFN chaos (1A:1F tiny Qwen3-MoE, float32, CPU):")
-    for row in figures:
-        print("  " + json.dumps(row))
+    for kill, row in enumerate(figures, 1):
+        print("  " + json.dumps({"kill": kill} | row))
 
 
 def _membership(status: dict) -> dict:
@@ -234,15 +242,50 @@ def test_coordinator_sigkill_does_not_stop_serving(chaos: httpx.Client, referenc
     print(f"\ncoordinator SIGKILL: streams unaffected, members rejoined within {rejoined_s:.1f} s")
 
 
+def _scale_to_2a2f(chaos: httpx.Client) -> None:
+    """Resize to 2A:2F (EP2 over the two FFN ranks) unless there already, and wait
+    (bounded) until the layout is whole."""
+    status = chaos.get("/afd/status").json()
+    if (status["target_attention"], status["target_ffn"]) != (2, 2):
+        response = chaos.post("/afd/scale", json={"attention": 2, "ffn": 2}, timeout=600)
+        assert response.status_code == 200 and response.json()["error"] is None, response.text
+    deadline = time.monotonic() + WHOLE_WITHIN_S
+    while not _whole(chaos):
+        assert time.monotonic() < deadline, _status(chaos)
+        time.sleep(0.5)
+
+
+def test_ep2_ffn_sigkill_the_survivor_reforms_the_ep_group(chaos: httpx.Client, reference: list[list[int]]) -> None:
+    """2A:2F, EP2: SIGKILL one of the two FFN ranks during 4 greedy streams. The
+    survivor's EP collective fails: it closes its attention pairs and waits; the
+    coordinator re-forms the EP group from the survivor (same EP rank, no reload) and
+    the replacement Serve starts (it loads the lost shard) under a new epoch, and
+    re-peers both attention ranks; each repeats its current layer there."""
+    _scale_to_2a2f(chaos)
+    before = chaos.get("/afd/status").json()
+    survivors = {m["rank"]: m["ep_rank"] for m in before["ffn"] if m["state"] == "ready"}
+    assert len(survivors) == 2 and sorted(survivors.values()) == [0, 1], before["ffn"]
+    row = _kill_ffn(chaos, reference, _pids("ffn")[0])
+    (lost,) = row["lost"]
+    after = chaos.get("/afd/status").json()
+    ranks = {m["rank"]: m["ep_rank"] for m in after["ffn"] if m["state"] == "ready" and m["ep_rank"] is not None}
+    survivor = next(r for r in survivors if r != lost)
+    assert len(ranks) == 2 and ranks[survivor] == survivors[survivor], (survivors, ranks)  # kept its experts
+    print(f"\nFFN chaos (2A:2F EP2 tiny Qwen3-MoE, float32, CPU; EP rank {survivors[lost]} killed):")
+    print("  " + json.dumps(row))
+
+
 ATTENTION_STREAMS = 6
 
 
 def test_attention_sigkill_streams_resume_on_another_rank(chaos: httpx.Client, reference: list[list[int]]) -> None:
-    """2A:1F; SIGKILL one attention replica while 6 greedy streams run: the ingress
+    """2A:2F; SIGKILL one attention replica while 6 greedy streams run: the ingress
     moves the killed rank's streams to the other rank (prompt + tokens already sent,
-    re-prefilled), and every stream equals the unfailed run, without error or repeat."""
-    response = chaos.post("/afd/scale", json={"attention": 2, "ffn": 1}, timeout=600)
-    assert response.status_code == 200, response.text
+    re-prefilled), and every stream equals the unfailed run, without error or repeat;
+    the killed rank's FFN peer drops it mid-step and keeps serving its EP group (no
+    FFN recovery); Serve replaces the killed rank and the layout is whole again."""
+    _scale_to_2a2f(chaos)
+    recoveries = len(chaos.get("/afd/status").json()["recoveries"])
     resumed_before = chaos.get("/afd/status").json()["admission"]["resumed"]
     results = [_Result() for _ in range(ATTENTION_STREAMS)]
     threads = [threading.Thread(target=_stream, args=(chaos, i % len(PROMPTS), r)) for i, r in enumerate(results)]
@@ -250,13 +293,22 @@ def test_attention_sigkill_streams_resume_on_another_rank(chaos: httpx.Client, r
         thread.start()
     _wait_tokens(results)
     os.kill(_pids("attention")[0], signal.SIGKILL)
+    killed = time.monotonic()
     for thread in threads:
         thread.join(180)
     assert not any(thread.is_alive() for thread in threads), "a stream hung"
     for i, result in enumerate(results):
         assert result.error is None and result.tokens == reference[i % len(PROMPTS)], (i, result)
     gaps = [b - a for r in results for a, b in zip(r.times, r.times[1:])]
-    resumed = chaos.get("/afd/status").json()["admission"]["resumed"] - resumed_before
-    print(f"\nattention SIGKILL: {resumed} of {ATTENTION_STREAMS} streams resumed on the other rank, "
-          f"all equal to the unfailed run; longest inter-token gap {max(gaps):.2f} s")
+    status = chaos.get("/afd/status").json()
+    resumed = status["admission"]["resumed"] - resumed_before
+    deadline = time.monotonic() + WHOLE_WITHIN_S  # Serve's replacement rank READY (no replica left starting)
+    while not _whole(chaos):
+        assert time.monotonic() < deadline, _status(chaos)
+        time.sleep(0.5)
+    print(f"\nattention SIGKILL (2A:2F): {resumed} of {ATTENTION_STREAMS} streams resumed on the other rank, "
+          f"all equal to the unfailed run; longest inter-token gap {max(gaps):.2f} s; "
+          f"FFN recoveries meanwhile: {len(status['recoveries']) - recoveries}; "
+          f"2A:2F whole again {time.monotonic() - killed:.1f} s after the kill")
     assert resumed >= 1  # streams ran on the killed rank (Serve spreads them over both)
+    assert len(status["recoveries"]) == recoveries, status["recoveries"][recoveries:]  # no FFN rank was lost
