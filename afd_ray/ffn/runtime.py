@@ -86,9 +86,12 @@ class FFNRuntime:
     With an EP group (F > 1 FFN ranks), every FFN rank runs every step (lockstep,
     `afd_ray.ffn.ep`): after forming its local step it all-reduces its token count
     with the others, and runs the layers, with no local rows if need be, whenever any
-    rank has tokens. While idle it checks in every `poll_s`, which then bounds how
-    long a busy rank waits for an idle one. Every EP rank pads its rows to the same
-    count, at least the largest local one (`EPGroup.moe`).
+    rank has tokens. An idle rank checks in after `poll_s`, and the wait doubles
+    with every idle round up to `idle_poll_s` (the first step after an idle spell
+    waits at most that long for the idle ranks; a busy group checks in every
+    `poll_s`): an idle EP group no longer spins through an all-reduce every 2 ms.
+    Every EP rank pads its rows to the same count, at least the largest local one
+    (`EPGroup.moe`).
 
     Compute runs through `FFNGraphs`, built at the first step of each layout (with
     EP every rank of the group is in that step): on CUDA (`graphs.graphs_supported`)
@@ -104,6 +107,9 @@ class FFNRuntime:
         poll_s: longest wait for a header before the stop flag is checked (and, with
             EP, before an idle rank checks in with its group), seconds; a header
             wakes the loop at once.
+        idle_poll_s: the longest such wait after idle rounds (doubling from
+            `poll_s`), seconds; None: `poll_s` (no backoff). It also bounds how long
+            `stop()` takes.
         batch_window_s: longest wait for more peers once one peer's step header
             arrived, seconds.
         ep: the EP group among FFN ranks, or None for a single FFN rank.
@@ -132,6 +138,7 @@ class FFNRuntime:
         graph_buckets: Sequence[int] = DEFAULT_BUCKETS,
         step_records: int = 4096,
         ep_lost_wait_s: float = 120.0,
+        idle_poll_s: float | None = None,
     ) -> None:
         self.model = model
         self.channel = channel
@@ -148,6 +155,9 @@ class FFNRuntime:
         self._pause_s = 0.0
         self._dtype = dtype
         self._poll_s = poll_s
+        self._idle_poll_s = max(poll_s, idle_poll_s or poll_s)
+        self._wait_s = poll_s
+        """The current header wait: `poll_s` after activity, doubling while idle."""
         self._batch_window_s = batch_window_s
         self._device = next(model.parameters()).device
         self._stop = threading.Event()
@@ -181,7 +191,7 @@ class FFNRuntime:
                 self._held = None
                 membership: list[StepHeader] = []
                 if not steps:
-                    header, self._deferred = self._deferred or self.channel.recv_header(self._poll_s), None
+                    header, self._deferred = self._deferred or self.channel.recv_header(self._wait_s), None
                     if header is not None and header.kind is HeaderKind.STEP:
                         steps, membership, arrived = self._form_step(header)
                     elif header is not None:
@@ -206,6 +216,9 @@ class FFNRuntime:
                     self._switch(pending)
                 if membership or switch or dead:
                     self._pause_s = max(self._pause_s, time.perf_counter() - start)
+                group_stepped = self.ep is not None and any(self.ep.step_tokens)
+                active = bool(steps or membership or dead) or pending is not None or group_stepped
+                self._wait_s = self._poll_s if active else min(2 * self._wait_s, self._idle_poll_s)
         finally:
             self.channel.close()
 

@@ -93,7 +93,6 @@ class FFNServer:
         self._coordinator = coordinator
         self._load = (resolve_checkpoint(model), dtype, device, gate_placement == "gate_on_attention")
         self._random_weights = model.load_format == "dummy"
-        self._ep_poll_s = ffn.ep_idle_check_us / 1e6
         self._replica = serve.get_replica_context().replica_id.unique_id
         self._address = channel.address
         self.rank = await coordinator.register_ffn.remote(channel.address, self._replica)
@@ -104,9 +103,11 @@ class FFNServer:
         ep = await self._ep_group(stack, assignment)
         self._shard = (assignment.ep_rank, assignment.ep_size)
         self._preparing = assignment.epoch
-        poll_s = self._ep_poll_s if _is_moe(stack) else _STOP_POLL_S
+        ep_polls = (ffn.ep_idle_check_us / 1e6, ffn.ep_idle_max_check_us / 1e6)  # an MoE rank may join an EP group
+        poll_s, idle_poll_s = ep_polls if _is_moe(stack) else (_STOP_POLL_S, _STOP_POLL_S)
         self._runtime = FFNRuntime(
             stack, channel, dtype, poll_s, connector.batch_window_us / 1e6, ep, epoch=assignment.epoch,
+            idle_poll_s=idle_poll_s,
             step_records=observability.step_records, ep_lost_wait_s=connector.peer_lost_wait_s,
         )
         self._publisher = FFNPublisher(self.rank) if observability.metrics else None

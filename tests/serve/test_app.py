@@ -24,3 +24,8 @@ def test_invalid_args_name_the_field(args: dict[str, object], field: str) -> Non
     (only,) = error.value.errors()
     assert ".".join(str(part) for part in only["loc"]) == field
     assert field in str(error.value)
+
+
+def test_ep_idle_backoff_below_its_start_is_refused() -> None:
+    with pytest.raises(pydantic.ValidationError, match=r"ffn\.ep_idle_max_check_us: 1000 < ffn\.ep_idle_check_us 2000"):
+        build_app({"ffn": {"ep_idle_max_check_us": 1000}})
