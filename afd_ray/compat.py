@@ -19,6 +19,8 @@ import trying the 0.32 location first:
 | `num_unfinished_requests(engine)` | `AsyncLLM.get_num_unfinished_requests()` | `engine.output_processor.get_num_unfinished_requests()` |
 | `warmup_renderer(renderer)` | `OnlineRenderer.warmup()` | none (templates load at first use) |
 
+`batch_request_ids(runner)` covers vLLM's two GPU model runners (V1 and V2), not a version.
+
 The serving names are imported from vLLM on first access (`__getattr__` below), so
 `afd_ray.compat` itself loads no vLLM and the connector (which uses
 `allow_symm_mem_shared_device`) runs where vLLM is not installed.
@@ -186,6 +188,24 @@ def warmup_renderer(renderer: OnlineRenderer) -> None:
     warmup = getattr(renderer, "warmup", None)
     if warmup is not None:
         warmup()
+
+
+def batch_request_ids(runner: Any) -> list[str]:
+    """vLLM engine request ids of the batch `runner` (a worker's model runner) runs now.
+
+    vLLM's V1 model runner (CPU, and the MoE classes on CUDA) keeps the step's batch in
+    `input_batch.req_ids`. Its model runner V2 (`vllm.v1.worker.gpu.model_runner`, the
+    default on CUDA since 0.26) builds the batch inside `execute_model` and keeps none
+    on the runner; there the ids are those of its request states (`req_states`), every
+    request the runner holds: the step's batch, plus any request the scheduler left
+    out of this step.
+
+    Remove when: the V2 runner exposes the batch of the forward pass it runs.
+    """
+    batch = getattr(runner, "input_batch", None)
+    if batch is not None:
+        return list(batch.req_ids)
+    return list(runner.req_states.req_id_to_index)
 
 
 def splitting_ops_with(extra: tuple[str, ...]) -> list[str]:

@@ -17,6 +17,7 @@ from afd_ray.attention.ffn_client import (
     reset_ffn_client,
     take_steps,
 )
+from afd_ray.compat import batch_request_ids
 from afd_ray.control.membership import AttentionAssignment
 
 __all__ = ["AFDWorkerExtension"]
@@ -49,7 +50,7 @@ class AFDWorkerExtension:
         pass (vLLM's CPU engine runs none at start-up); keep the last `step_records`
         steps' timing records, each naming the model runner's batch."""
         runner = self.model_runner
-        record_steps(step_records, lambda: runner.input_batch.req_ids)
+        record_steps(step_records, lambda: batch_request_ids(runner))
         ffn_client()
 
     def afd_take_steps(self) -> list[dict[str, object]]:

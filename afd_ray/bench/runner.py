@@ -36,6 +36,7 @@ from afd_ray.config import (
     AttentionPoolConfig,
     ConnectorConfig,
     FFNPoolConfig,
+    IngressConfig,
     ModelConfig,
     ObservabilityConfig,
 )
@@ -81,12 +82,18 @@ def machine() -> Machine:
 def _app_config(cfg: BenchConfig, family: str, checkpoint: Path, topology: Topology) -> AFDConfig:
     """The `AFDConfig` of one run; plain vLLM uses its model and attention sections.
 
-    On `cuda` every member's bundle (and the plain engine's) is `cfg.gpu_fraction` GPU."""
+    On `cuda` every member's bundle (and the plain engine's) is `cfg.gpu_fraction` GPU.
+    The ingress holds more requests than the admission capacity at the largest batch
+    (`AFDConfig` refuses less)."""
     plain = topology.ffn == 0
     threads = cfg.plain_threads if plain else cfg.attention_threads
     cuda = cfg.platform == "cuda"
     bundle = cfg.gpu_fraction if cuda else cfg.bundle_cpus
     memory = cfg.plain_gpu_memory_utilization if plain else cfg.gpu_memory_utilization
+    batch = max(cfg.concurrency)
+    ingress = IngressConfig()
+    # the ingress must hold more than the admission capacity (`AFDConfig` checks it)
+    ongoing = max(ingress.max_ongoing_requests, topology.attention * (batch + ingress.max_queued_per_rank) + 1)
     return AFDConfig(
         platform=cfg.platform,
         model=ModelConfig(
@@ -97,7 +104,7 @@ def _app_config(cfg: BenchConfig, family: str, checkpoint: Path, topology: Topol
             num_ranks=topology.attention,
             bundle_resources=bundle,
             kv_cache_gib=cfg.kv_cache_gib,
-            max_num_seqs=max(cfg.concurrency),
+            max_num_seqs=batch,
             num_threads=threads,
             **({"gpu_memory_utilization": memory, "enforce_eager": cfg.enforce_eager} if cuda else {}),
         ),
@@ -105,6 +112,7 @@ def _app_config(cfg: BenchConfig, family: str, checkpoint: Path, topology: Topol
         if topology.ffn
         else FFNPoolConfig(),
         connector=ConnectorConfig(transport=cfg.transport),
+        ingress=IngressConfig(max_ongoing_requests=ongoing),
         observability=ObservabilityConfig()
         if topology.observability
         else ObservabilityConfig(metrics=False, step_records=0),

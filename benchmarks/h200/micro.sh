@@ -8,8 +8,8 @@
 #   mps           start the NVIDIA MPS daemon; later parts run under it (stopped at exit)
 #   cuda_ipc      the serving path's cuda_ipc pair, two processes on one GPU
 #   e2e           tests/gpu/test_serve_one_gpu.py -k "$E2E_K" (default graphs; eager is the
-#                 other half; at least 3 min per family with graphs): AFD 1A:1F through Serve on
-#                 one GPU vs plain vLLM
+#                 other half; at least 3 min per family with graphs; bounded by E2E_S seconds,
+#                 default 580): AFD 1A:1F through Serve on one GPU vs plain vLLM
 #   gpu_tests     the other tests in tests/gpu
 #   moe_layer     one MoE layer vs its weight-read floor, with the Triton tile sweep
 # Each part is bounded by `timeout` and runs even if an earlier one failed; the exit
@@ -43,7 +43,7 @@ print('vllm', vllm.__version__, 'errors', c.VLLM_REQUEST_ERRORS, c.ErrorResponse
          mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
          nvidia-cuda-mps-control -d && echo "MPS daemon started" || { echo "MPS failed"; failed=$((failed + 1)); } ;;
     cuda_ipc) run cuda_ipc 150 python3 -m afd_ray.bench.cuda_ipc --out "$out/cuda_ipc.json" ;;
-    e2e) run e2e 580 python3 -m pytest tests/gpu/test_serve_one_gpu.py --confcutdir=tests/gpu -rs -q -s -p no:cacheprovider \
+    e2e) run e2e "${E2E_S:-580}" python3 -m pytest tests/gpu/test_serve_one_gpu.py --confcutdir=tests/gpu -rs -q -s -p no:cacheprovider \
         -k "${E2E_K:-graphs}" ;;
     gpu_tests) run gpu_tests 300 python3 -m pytest tests/gpu --confcutdir=tests/gpu -rs -q -s -p no:cacheprovider \
         --ignore=tests/gpu/test_serve_one_gpu.py ;;

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from pydantic import ValidationError
 
@@ -55,3 +57,19 @@ def test_several_batches_and_cuda_settings_parse_from_the_command_line(monkeypat
     assert (cfg.prompt_tokens, cfg.gpu_fraction, cfg.enforce_eager) == (4096, 0.5, False)
     with pytest.raises(ValidationError, match="concurrency"):
         BenchConfig(concurrency=())
+
+
+@pytest.mark.parametrize("topology", ["plain", "1A1F", "2A1F"])
+def test_app_config_admits_the_largest_batch(topology: str, tmp_path: Path) -> None:
+    """The product benchmark's batches (16-256 streams on one attention rank) build a
+    valid app config: the ingress holds more than the admission capacity (failed on the
+    H200 at batch 256: 256 ongoing requests < 1 x (256 + 16))."""
+    from afd_ray.bench.runner import _app_config
+    from afd_ray.models.shapes import build_shape
+
+    cfg = BenchConfig(platform="cuda", topologies=(topology,), concurrency=(16, 64, 256), transport="cuda_ipc")
+    checkpoint = build_shape("deepseek-v2-lite", tmp_path / "deepseek-v2-lite")
+    app = _app_config(cfg, "deepseek-v2-lite", checkpoint, cfg.topologies[0])
+    assert app.attention.max_num_seqs == 256
+    capacity = app.attention.upper * (256 + app.ingress.max_queued_per_rank)
+    assert app.ingress.max_ongoing_requests > capacity
