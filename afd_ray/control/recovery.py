@@ -53,9 +53,14 @@ class Recovery:
         app: the Serve application's name.
         heartbeat_timeout_s: an FFN rank silent this long is dead, seconds.
         wait_s: bound on one recovery (replacements started, layout switched), seconds.
+        clock: the monotonic clock that times reports, seconds.
     """
 
-    def __init__(self, registry: Registry, resizer: Resizer, app: str, heartbeat_timeout_s: float, wait_s: float):
+    def __init__(
+        self, registry: Registry, resizer: Resizer, app: str, heartbeat_timeout_s: float, wait_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:  # fmt: skip
+        self._clock = clock
         self._registry = registry
         self._resizer = resizer
         self._app = app
@@ -71,7 +76,7 @@ class Recovery:
 
     def heard(self, rank: int, serving: bool) -> None:
         """FFN rank `rank` reported; `serving`: its FFN loop still runs."""
-        self._last_report[rank] = time.monotonic()
+        self._last_report[rank] = self._clock()
         if not serving and self._registry.ffn[rank].state is not MemberState.GONE:
             self._stopped.setdefault(rank, "its FFN loop stopped")
 
@@ -79,9 +84,10 @@ class Recovery:
         """A rank loaded `num_bytes` for a layout while recovering."""
         self._bytes += num_bytes
 
-    def _dead(self, states: dict[str, str] | None) -> dict[int, str]:
-        """Live-looking FFN ranks that are dead, and how each was found dead."""
-        now = time.monotonic()
+    def dead(self, states: dict[str, str] | None) -> dict[int, str]:
+        """Live-looking FFN ranks that are dead now, and how each was found dead;
+        `states`: Serve's replica states by replica id (None: unreadable)."""
+        now = self._clock()
         dead = {}
         for rank, member in self._registry.ffn.items():
             if member.state is MemberState.GONE:
@@ -105,7 +111,7 @@ class Recovery:
         """Forever: every `WATCH_PERIOD_S`, find dead FFN ranks and recover from them."""
         while True:
             await asyncio.sleep(WATCH_PERIOD_S)
-            dead = self._dead(await self._states())
+            dead = self.dead(await self._states())
             if dead:
                 try:
                     await self._recover(dead)
@@ -120,7 +126,7 @@ class Recovery:
             TimeoutError: neither before the monotonic `deadline`.
         """
         while True:
-            dead = self._dead(await self._states())
+            dead = self.dead(await self._states())
             if dead or condition():
                 return dead
             if time.monotonic() > deadline:
@@ -144,7 +150,7 @@ class Recovery:
             lost = sorted(r for r in dead if r in registry.layout or (registry.plan and r in registry.plan.ranks))
             before = registry.layout
             first = min(dead)
-            since = time.monotonic() - self._last_report.get(first, time.monotonic())
+            since = self._clock() - self._last_report.get(first, self._clock())
             self._remove(dead)
             await registry.notify()
             if not lost:  # a rank that had not joined a layout yet: Serve replaces it

@@ -196,12 +196,12 @@ def test_recovery_finds_dead_ranks() -> None:
             registry.add_ffn(FFNAddress("h", 1, 2), replica)
         resizer = Resizer(registry, "app", AttentionPoolConfig(), FFNPoolConfig(num_ranks=2), AutoscaleConfig())
         recovery = Recovery(registry, resizer, "app", heartbeat_timeout_s=0.05, wait_s=1)
-        assert recovery._dead({"a": "RUNNING", "b": "RUNNING"}) == {}
-        assert "replica b vanished" in recovery._dead({"a": "RUNNING"})[1]
+        assert recovery.dead({"a": "RUNNING", "b": "RUNNING"}) == {}
+        assert "replica b vanished" in recovery.dead({"a": "RUNNING"})[1]
         recovery.heard(0, serving=False)
-        assert recovery._dead(None) == {0: "its FFN loop stopped"}
+        assert recovery.dead(None) == {0: "its FFN loop stopped"}
         recovery.heard(1, serving=True)
         await asyncio.sleep(0.1)
-        assert "no report for" in recovery._dead(None)[1]
+        assert "no report for" in recovery.dead(None)[1]
 
     asyncio.run(run())
