@@ -106,6 +106,9 @@ class Coordinator:
         self._published = CoordinatorPublisher() if observability.metrics else None
         self._paused = False
         """A manual resize paused the autoscaler (until `resume_autoscaler`)."""
+        self._joining: dict[str, float] = {}
+        """Attention replicas waiting in `assign_attention`: Serve replica id ->
+        monotonic time the wait began."""
         self._autoscaler = (
             Autoscaler(policy, autoscale.interval_s, attention, ffn, self._resizer, self.metrics, lambda: self._paused,
                        self._published)
@@ -228,7 +231,11 @@ class Coordinator:
             TimeoutError: the FFN pool was not complete within `wait_s` seconds.
         """
         registry = self._registry
-        await registry.wait(lambda: bool(registry.layout), wait_s)
+        self._joining[replica] = time.monotonic()
+        try:
+            await registry.wait(lambda: bool(registry.layout), wait_s)
+        finally:
+            del self._joining[replica]
         member = registry.add_attention(replica, node)
         await registry.notify()
         return registry.attention_assignment(member.rank)
@@ -337,12 +344,14 @@ class Coordinator:
         )  # fmt: skip
 
     async def status(self) -> AFDStatus:
-        """Epoch, every attention rank with its state and FFN peer, every FFN rank
-        with its state and counters, targets, resize events, autoscaling signals."""
+        """Epoch, every attention rank with its state and FFN peer, the attention
+        replicas still waiting for the FFN layout, every FFN rank with its state and
+        counters, targets, resize events, autoscaling signals."""
         registry, targets = self._registry, self._resizer.targets
         return AFDStatus(
             epoch=registry.epoch,
             attention=[registry.attention[r] for r in sorted(registry.attention)],
+            attention_waiting={replica: time.monotonic() - since for replica, since in self._joining.items()},
             ffn=[registry.ffn[r] for r in sorted(registry.ffn)],
             target_attention=targets[ATTENTION_DEPLOYMENT],
             target_ffn=targets[FFN_DEPLOYMENT],

@@ -282,6 +282,10 @@ class AFDStatus(_Record):
     epoch: int
     attention: list[AttentionMember]
     ffn: list[FFNMember]
+    attention_waiting: dict[str, float] = {}
+    """Attention replicas that wait for the FFN layout before they get a rank (e.g.
+    while the FFN ranks start), by Serve replica id: seconds waited so far (at most
+    `autoscale.resize_timeout_s`)."""
     target_attention: int = 0
     target_ffn: int = 0
     autoscale_paused: bool = False

@@ -1,0 +1,94 @@
+"""An application that is still starting, over real HTTP on the session Ray cluster.
+
+Its FFN pool claims a Ray resource no node has, so the FFN replica is never placed
+and the attention replica waits for the FFN layout, before it starts any engine: the
+application stays "starting" for as long as the test needs, at the cost of its
+ingress, its coordinator and one idle attention replica process (no model loads).
+
+- The attention replica waits for the FFN layout up to `autoscale.resize_timeout_s`,
+  not `connector.timeout_s`: under load a starting FFN rank outlasted the connector
+  timeout, the attention replica's constructor failed and Serve restarted it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from ray import serve
+
+from afd_ray.control.serve_api import replica_states
+from afd_ray.serve.app import build_app
+
+NAME = "starting"
+PREFIX = f"/{NAME}"
+CONNECTOR_TIMEOUT_S = 1.0
+"""`connector.timeout_s` of the app: the old bound on the attention replica's wait."""
+RESIZE_TIMEOUT_S = 12.0
+"""`autoscale.resize_timeout_s` of the app: the bound on that wait. Also the graceful
+shutdown time Serve gives the never-placed FFN replica when the app is deleted."""
+ANSWER_WITHIN_S = 3.0
+"""Bound on each answer of the starting app (none waits for a pool member)."""
+UP_WITHIN_S = 240.0
+"""Bound on the ingress answering and the attention replica reaching its wait (a
+process start that imports vLLM, on a loaded 2-core machine)."""
+
+
+@pytest.fixture(scope="module")
+def starting(serve_url: str, args: dict[str, object]) -> Iterator[httpx.Client]:
+    """The shipped YAML's app with an unplaceable FFN pool, deployed without waiting
+    for it to run; a client at its route prefix once its ingress answers."""
+    overrides = {
+        "ffn": args["ffn"] | {"placement": {"resources": {"afd_test_absent_resource": 1}}},
+        "connector": args["connector"] | {"timeout_s": CONNECTOR_TIMEOUT_S},
+        "autoscale": args["autoscale"] | {"resize_timeout_s": RESIZE_TIMEOUT_S},
+    }
+    target = serve.RunTarget(build_app(args | overrides), name=NAME, route_prefix=PREFIX)
+    serve.run_many([target], wait_for_applications_running=False)
+    try:
+        with httpx.Client(base_url=serve_url + PREFIX, timeout=60) as client:
+            deadline = time.monotonic() + UP_WITHIN_S
+            while client.get("/afd/status").status_code != 200:
+                assert time.monotonic() < deadline, "the starting app's ingress never answered"
+                time.sleep(0.2)
+            yield client
+    finally:
+        serve.delete(NAME)
+
+
+def _waiting(client: httpx.Client) -> dict[str, float]:
+    return client.get("/afd/status").json()["attention_waiting"]
+
+
+def _attention_waits(client: httpx.Client) -> tuple[str, float]:
+    """The attention replica waiting for the FFN layout, and seconds it has waited."""
+    deadline = time.monotonic() + UP_WITHIN_S
+    while not (waiting := _waiting(client)):
+        assert time.monotonic() < deadline, "the attention replica never reached its wait for the FFN layout"
+        time.sleep(0.2)
+    ((replica, waited_s),) = waiting.items()
+    return replica, waited_s
+
+
+def test_attention_waits_for_the_ffn_layout_past_the_connector_timeout(starting: httpx.Client) -> None:
+    """The same attention replica still waits (and Serve still starts it, no
+    constructor failed) 2 s past `connector.timeout_s`, well within
+    `autoscale.resize_timeout_s`. With the old bound its wait ended after 1 s."""
+    replica, waited_s = _attention_waits(starting)
+    time.sleep(max(CONNECTOR_TIMEOUT_S + 2 - waited_s, 0))
+
+    waiting = _waiting(starting)
+    assert list(waiting) == [replica], waiting
+    assert CONNECTOR_TIMEOUT_S + 2 <= waiting[replica] < RESIZE_TIMEOUT_S, waiting
+    states = asyncio.run(replica_states(NAME, "attention"))
+    assert states == {replica: "STARTING"}, states
+
+
+def test_status_shows_the_attention_replica_waiting(starting: httpx.Client) -> None:
+    replica, _ = _attention_waits(starting)
+    status = starting.get("/afd/status").json()
+    assert status["attention"] == [] and status["ffn"] == []  # no rank registered yet
+    assert list(status["attention_waiting"]) == [replica]
