@@ -93,10 +93,18 @@ class Admission:
         self._last_refusal = refusal.message
         return refusal
 
+    def not_ready(self) -> Refusal | None:
+        """The 503 refusal of any request while no attention rank is READY (the
+        application is starting, or every attention rank is being replaced), or None."""
+        if self.load is None or self.load.attention_ranks == 0:
+            return Refusal(HTTPStatus.SERVICE_UNAVAILABLE, "no attention rank is ready: the application is starting "
+                           "(or its attention ranks are being replaced); see GET /afd/status")  # fmt: skip
+        return None
+
     def _check(self, deadline_s: float | None, max_tokens: int | None) -> Refusal | None:
         load, cfg = self.load, self._cfg
         if load is None or load.attention_ranks == 0:
-            return Refusal(HTTPStatus.SERVICE_UNAVAILABLE, "no attention rank is ready")
+            return self.not_ready()
         changing = load.resizing or load.recovering
         status = HTTPStatus.SERVICE_UNAVAILABLE if changing else HTTPStatus.TOO_MANY_REQUESTS
         during = ""

@@ -21,6 +21,7 @@ import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from http import HTTPStatus
+from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -58,6 +59,12 @@ _RESUME_ATTEMPTS = 5
 error (Serve may route a retry to the dead replica until it is replaced)."""
 _RESUME_BACKOFF_S = 0.5
 """Wait before the k-th move: k x this, seconds."""
+_T = TypeVar("_T")
+_CALL_S = 10.0
+"""Bound on a call of a route that is not inference (health, model list, status) to
+a pool member or the coordinator, seconds: a Serve handle call waits for a running
+replica without bound (an attention rank still starting), so past this the route
+answers 503 with `Retry-After` instead of hanging."""
 
 
 def _error_response(error: ErrorResponse) -> JSONResponse:
@@ -287,6 +294,24 @@ def _refused(refusal: Refusal, retry_after_s: int) -> JSONResponse:
     return response
 
 
+def _unavailable(message: str, retry_after_s: int) -> JSONResponse:
+    """503 with `Retry-After`: the part of the application that would answer is not
+    ready or did not answer within `_CALL_S`."""
+    return _refused(Refusal(HTTPStatus.SERVICE_UNAVAILABLE, message), retry_after_s)
+
+
+async def _bounded(call: Awaitable[_T], what: str) -> _T:
+    """`call`'s result within `_CALL_S`.
+
+    Raises:
+        TimeoutError: no answer within `_CALL_S` (`what` names who did not answer).
+    """
+    try:
+        return await asyncio.wait_for(call, _CALL_S)
+    except TimeoutError:
+        raise TimeoutError(f"{what} did not answer within {_CALL_S:.0f} s") from None
+
+
 def _unauthorized(message: str) -> JSONResponse:
     response = _error_response(_error(HTTPStatus.UNAUTHORIZED, message, "AuthenticationError"))
     response.headers["WWW-Authenticate"] = "Bearer"
@@ -374,11 +399,7 @@ class Ingress:
         budget_s = _deadline_s(raw)
         deadline = None if budget_s is None else time.monotonic() + budget_s
         admission = self._admission
-        if admission.load is None or admission.load.attention_ranks == 0:
-            try:  # just deployed, or every rank was replaced: read the load now, once
-                await self._read_load()
-            except Exception:
-                logger.debug("pool load unavailable", exc_info=True)
+        await self._not_ready()  # reads the load now if no rank was ready
         refusal = admission.admit(budget_s, max_tokens)
         if refusal is not None:
             return _refused(refusal, self._retry_after_s)
@@ -390,13 +411,31 @@ class Ingress:
             raise
         return await _respond(source, ticket, deadline, budget_s, self._retry_after_s)
 
+    async def _not_ready(self) -> Refusal | None:
+        """Why no request can be served now (no READY attention rank: the application
+        is starting, or every attention rank is being replaced), or None."""
+        admission = self._admission
+        if admission.load is None or admission.load.attention_ranks == 0:
+            try:  # just deployed, or every rank was replaced: read the load now, once
+                await self._read_load()
+            except Exception:
+                logger.debug("pool load unavailable", exc_info=True)
+        return admission.not_ready()
+
     @app.get("/v1/models", response_model=None)
     async def models(self, raw: Request) -> ModelList | Response:
-        """The served model (OpenAI `GET /v1/models`)."""
+        """The served model (OpenAI `GET /v1/models`), from an attention rank; 503 with
+        `Retry-After` while none is ready or none answers within `_CALL_S`."""
         denied = self._access.denied(raw, Role.USER)
         if denied is not None:
             return _unauthorized(denied)
-        return await self._attention.models.remote()
+        refusal = await self._not_ready()
+        if refusal is not None:
+            return _refused(refusal, self._retry_after_s)
+        try:
+            return await _bounded(self._attention.models.remote(), "the attention pool")
+        except TimeoutError as exc:
+            return _unavailable(str(exc), self._retry_after_s)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(self, request: ChatCompletionRequest, raw: Request) -> Response:
@@ -422,14 +461,18 @@ class Ingress:
 
     @app.get("/health")
     async def health(self) -> Response:
-        """200 when an attention replica and an FFN replica pass their health checks,
-        else 503."""
-        try:
-            await self._attention.check_health.remote()
-            await self._ffn.check_health.remote()
-        except Exception:
-            logger.exception("health check failed")
-            return Response(status_code=HTTPStatus.SERVICE_UNAVAILABLE)
+        """200 (empty body) when an attention rank is READY and an attention replica
+        and an FFN replica pass their health checks within `_CALL_S` each; else 503
+        with `Retry-After` and an error body that says why (e.g. still starting)."""
+        refusal = await self._not_ready()
+        if refusal is not None:
+            return _refused(refusal, self._retry_after_s)
+        for pool, handle in (("attention", self._attention), ("FFN", self._ffn)):
+            try:
+                await _bounded(handle.check_health.remote(), f"the {pool} pool's health check")
+            except Exception as exc:
+                logger.warning("health check failed: %s: %s", type(exc).__name__, exc)
+                return _unavailable(f"{type(exc).__name__}: {exc}", self._retry_after_s)
         return Response(status_code=HTTPStatus.OK)
 
     # --- AFD control plane ---------------------------------------------------------
@@ -438,7 +481,10 @@ class Ingress:
     async def afd_status(self) -> Response:
         """The coordinator's view of both pools (`AFDStatus`), with this ingress
         replica's admission state (`admission`)."""
-        status = await self._coordinator.status.remote()
+        try:
+            status = await _bounded(self._coordinator.status.remote(), "the coordinator")
+        except TimeoutError as exc:
+            return _unavailable(str(exc), self._retry_after_s)
         status = status.model_copy(update={"admission": self._admission.state()})
         return JSONResponse(status.model_dump(mode="json"))
 
@@ -447,7 +493,10 @@ class Ingress:
         """The engine steps of request `request_id` (its OpenAI `id`) split across the
         pools (`afd_ray.observability.steps.TokenBreakdown`), or 404 when no step
         record names it (unknown id, or older than the ring buffers)."""
-        steps = await self._coordinator.trace.remote(request_id)
+        try:
+            steps = await _bounded(self._coordinator.trace.remote(request_id), "the coordinator")
+        except TimeoutError as exc:
+            return _unavailable(str(exc), self._retry_after_s)
         if not steps:
             error = ErrorInfo(
                 message=f"request_id: no step record names {request_id!r} (unknown, or evicted from the "
@@ -500,6 +549,9 @@ class Ingress:
         denied = self._access.denied(request, Role.ADMIN)
         if denied is not None:
             return _unauthorized(denied)
-        await self._coordinator.resume_autoscaler.remote()
-        status = await self._coordinator.status.remote()
+        try:
+            await _bounded(self._coordinator.resume_autoscaler.remote(), "the coordinator")
+            status = await _bounded(self._coordinator.status.remote(), "the coordinator")
+        except TimeoutError as exc:
+            return _unavailable(str(exc), self._retry_after_s)
         return JSONResponse({"autoscale_paused": status.autoscale_paused, "autoscale_enabled": status.autoscale_enabled})

@@ -5,6 +5,9 @@ and the attention replica waits for the FFN layout, before it starts any engine:
 application stays "starting" for as long as the test needs, at the cost of its
 ingress, its coordinator and one idle attention replica process (no model loads).
 
+- Every route answers within a bound. `/health` and `/v1/models` waited for a
+  running attention replica without bound (no answer within 20 s for a fresh user);
+  now they answer 503 at once with a reason and `Retry-After`, like completions.
 - The attention replica waits for the FFN layout up to `autoscale.resize_timeout_s`,
   not `connector.timeout_s`: under load a starting FFN rank outlasted the connector
   timeout, the attention replica's constructor failed and Serve restarted it.
@@ -85,6 +88,31 @@ def test_attention_waits_for_the_ffn_layout_past_the_connector_timeout(starting:
     assert CONNECTOR_TIMEOUT_S + 2 <= waiting[replica] < RESIZE_TIMEOUT_S, waiting
     states = asyncio.run(replica_states(NAME, "attention"))
     assert states == {replica: "STARTING"}, states
+
+
+ROUTES = [
+    ("GET", "/health", None),
+    ("GET", "/v1/models", None),
+    ("POST", "/v1/completions", {"model": "smollm2", "prompt": "Hi", "max_tokens": 2}),
+    ("POST", "/v1/chat/completions", {"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}]}),
+]
+
+
+@pytest.mark.parametrize(("method", "route", "body"), ROUTES, ids=[r[1] for r in ROUTES])
+def test_every_route_answers_at_once_while_starting(
+    starting: httpx.Client, method: str, route: str, body: dict | None
+) -> None:
+    _attention_waits(starting)
+    sent = time.monotonic()
+    response = starting.request(method, route, json=body)
+    took_s = time.monotonic() - sent
+
+    assert response.status_code == 503, response.text
+    assert took_s < ANSWER_WITHIN_S, took_s
+    assert response.headers["retry-after"] == "1"  # ingress.retry_after_s of the YAML
+    error = response.json()["error"]
+    assert error["type"] == "ServiceUnavailableError"
+    assert "no attention rank is ready: the application is starting" in error["message"]
 
 
 def test_status_shows_the_attention_replica_waiting(starting: httpx.Client) -> None:
