@@ -19,7 +19,7 @@ import json
 import logging
 import time
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from http import HTTPStatus
 from typing import TypeVar
 
@@ -30,8 +30,6 @@ from pydantic import ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
 from afd_ray.attention.server import ChatChunk, CompletionChunk
 from afd_ray.compat import (
@@ -46,6 +44,7 @@ from afd_ray.config import AttentionPoolConfig, FFNPoolConfig, IngressConfig
 from afd_ray.control.membership import PoolLoad, ScaleRequest
 from afd_ray.serve.access import AccessKeys, Role
 from afd_ray.serve.admission import DEADLINE_HEADER, LOAD_PERIOD_S, Admission, Refusal
+from afd_ray.serve.protocol import ChatCompletionRequest, CompletionRequest
 from afd_ray.serve.resume import StreamResume
 
 __all__ = ["Ingress", "app"]
@@ -73,8 +72,9 @@ def _error_response(error: ErrorResponse) -> JSONResponse:
 
 @app.exception_handler(RequestValidationError)
 async def _invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
-    """A body that is not JSON, or does not fit vLLM's request model: 400."""
-    first = exc.errors()[0]
+    """A body that is not JSON, or does not fit vLLM's request model: 400 naming the
+    field (the most specific of its errors: `_most_specific`)."""
+    first = _most_specific(exc.errors())
     # loc is ("body", field, ...); for malformed JSON it is ("body", offset).
     field = first["loc"][1:] if first["type"] != "json_invalid" else ()
     param = clean_loc_for_param(field) if field else "body"
@@ -86,6 +86,29 @@ async def _invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse
         code=HTTPStatus.BAD_REQUEST,
     )
     return _error_response(ErrorResponse(error=error))
+
+
+_TYPE_MISMATCHES = frozenset({"none_required", "literal_error", "is_instance_of", "union_tag_invalid"})
+"""Pydantic error types (besides `*_type` and `*_parsing`) that say only that the
+value is not of a union member's type."""
+
+
+def _most_specific(errors: Sequence[dict]) -> dict:
+    """Of the errors of the first failing field, the one that says the most: a field
+    of several types (e.g. `stop`: a string or a list of at most 4 strings) fails
+    once per type, and the first error ("Input should be a valid string") hides the
+    one that names the real bound ("List should have at most 4 items"). Preferred: an
+    error of a type the value has (a bound it breaks, not a type mismatch), then the
+    deepest location (inside the member whose type matched)."""
+    field = errors[0]["loc"][:2]
+
+    def says(error: dict) -> tuple[bool, int]:
+        kind = error["type"]
+        mismatch = kind.endswith(("_type", "_parsing")) or kind in _TYPE_MISMATCHES
+        return not mismatch, len(error["loc"])
+
+    same = [error for error in errors if error["loc"][:2] == field]
+    return max(same, key=says)  # the first of equals
 
 
 @app.exception_handler(StarletteHTTPException)

@@ -126,6 +126,11 @@ def _too_long_prompt() -> str:
             400,
             "input_tokens",
         ),
+        ("/v1/chat/completions", json.dumps(_chat(n=-1)), 400, "n"),
+        ("/v1/completions", json.dumps(_completion(n=0)), 400, "n"),
+        ("/v1/chat/completions", json.dumps(_chat(messages=[])), 400, "messages"),
+        ("/v1/completions", json.dumps(_completion(stop=["a", "b", "c", "d", "e"])), 400, "stop"),
+        ("/v1/chat/completions", json.dumps(_chat(stop=["a", 5])), 400, "stop.1"),
     ],
     ids=[
         "malformed-json",
@@ -137,6 +142,11 @@ def _too_long_prompt() -> str:
         "messages-not-a-list",
         "prompt-over-context-chat",
         "prompt-over-context-completion-stream",
+        "n-negative-chat",
+        "n-zero-completion",
+        "messages-empty",
+        "stop-over-the-limit",
+        "stop-list-item-not-a-string",
     ],
 )
 def test_bad_input_is_an_openai_error_and_serving_goes_on(
@@ -154,6 +164,15 @@ def test_bad_input_is_an_openai_error_and_serving_goes_on(
 
     good = client.post("/v1/chat/completions", json=_chat(max_tokens=4))
     assert good.status_code == 200, good.text
+
+
+def test_a_bad_field_of_several_types_names_its_bound(client: httpx.Client) -> None:
+    """`stop` is a string or a list of at most 4 strings: a list of 5 names that
+    limit, not "Input should be a valid string" (the error of the other type)."""
+    response = client.post("/v1/chat/completions", json=_chat(stop=["a", "b", "c", "d", "e"]))
+    assert response.status_code == 400, response.text
+    message = response.json()["error"]["message"]
+    assert message.startswith("stop: List should have at most 4 items"), message
 
 
 def test_client_disconnect_aborts_the_request_in_vllm(client: httpx.Client) -> None:
