@@ -18,6 +18,7 @@ import trying the 0.32 location first:
 | `VLLM_REQUEST_ERRORS` | `(vllm.exceptions.VLLMError,)` | its client-error classes (no common base) |
 | `num_unfinished_requests(engine)` | `AsyncLLM.get_num_unfinished_requests()` | `engine.output_processor.get_num_unfinished_requests()` |
 | `warmup_renderer(renderer)` | `OnlineRenderer.warmup()` | none (templates load at first use) |
+| `validate_token_ids(renderer, ids, parameter)` | `BaseRenderer.validate_token_ids(ids, parameter=)` | none (the engine's own check, no field named) |
 
 `batch_request_ids(runner)` covers vLLM's two GPU model runners (V1 and V2), not a version.
 
@@ -41,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
+    from vllm.renderers.base import BaseRenderer
     from vllm.renderers.online_renderer import OnlineRenderer
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -58,6 +60,7 @@ __all__ = [
     "patch_cpu_rope_3d_query",
     "splitting_ops_with",
     "uses_mla",
+    "validate_token_ids",
     "warmup_renderer",
 ]
 
@@ -206,6 +209,24 @@ def batch_request_ids(runner: Any) -> list[str]:
     if batch is not None:
         return list(batch.req_ids)
     return list(runner.req_states.req_id_to_index)
+
+
+def validate_token_ids(renderer: BaseRenderer, token_ids: list[int], parameter: str) -> None:
+    """vLLM's out-of-vocabulary check of `token_ids` (a negative id, or one past both
+    the tokenizer's and the model's vocabulary), naming `parameter` in its error.
+    vLLM's input processor runs the same check later without naming the field.
+
+    Raises:
+        vllm.exceptions.VLLMValidationError: an id is out of vocabulary (`parameter`
+            set, so the error body's `param` names the field).
+
+    A renderer without the method (older vLLM; not verified on 0.26) checks nothing
+    here; the engine's own check still refuses the request, without `param`. Remove
+    the `getattr` with the 0.26 support once 0.26 is known to have it, or not.
+    """
+    validate = getattr(renderer, "validate_token_ids", None)
+    if validate is not None:
+        validate(token_ids, parameter=parameter)
 
 
 def splitting_ops_with(extra: tuple[str, ...]) -> list[str]:

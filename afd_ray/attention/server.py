@@ -30,6 +30,7 @@ import zmq.asyncio
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.exceptions import VLLMValidationError
 from vllm.entrypoints.openai.chat_completion.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -55,6 +56,7 @@ from afd_ray.compat import (
     ModelList,
     create_error_response,
     num_unfinished_requests,
+    validate_token_ids,
     warmup_renderer,
 )
 from afd_ray.config import (
@@ -297,6 +299,12 @@ class AttentionServer:
         if self._engine.errored:
             yield _engine_failed(self.rank)
             return
+        try:
+            for ids in _prompt_token_ids(request.prompt):
+                validate_token_ids(self._engine.renderer, ids, "prompt")
+        except VLLMValidationError as exc:
+            yield _error(exc)
+            return
         async for item in self._until_drained(_relay(self._completion.create_completion(request))):
             yield item
 
@@ -397,6 +405,16 @@ async def _relay(answer: Awaitable[object]) -> AsyncGenerator[object, None]:
             yield event
     else:
         yield result
+
+
+def _prompt_token_ids(prompt: object) -> list[list[int]]:
+    """The token-id prompts of a completion's `prompt` (vLLM's `CompletionRequest`:
+    text, a list of texts, one list of token ids, or a list of them)."""
+    if isinstance(prompt, list) and prompt and all(isinstance(item, int) for item in prompt):
+        return [prompt]
+    if isinstance(prompt, list):
+        return [item for item in prompt if isinstance(item, list)]
+    return []
 
 
 def _drain_error(rank: int, timeout_s: float) -> ErrorResponse:

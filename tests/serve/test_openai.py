@@ -100,6 +100,10 @@ def test_streaming_joins_into_the_non_streaming_text(
     assert "".join(delta_text(c) for c in chunks) == expected
 
 
+OUT_OF_VOCABULARY = 49152
+"""The first token id past SmolLM2's vocabulary (49152 ids)."""
+
+
 def _too_long_prompt() -> str:
     return "hello " * 2100  # > 2048 tokens, the context of the YAML's model
 
@@ -129,6 +133,8 @@ def _too_long_prompt() -> str:
         ("/v1/chat/completions", json.dumps(_chat(n=-1)), 400, "n"),
         ("/v1/completions", json.dumps(_completion(n=0)), 400, "n"),
         ("/v1/chat/completions", json.dumps(_chat(messages=[])), 400, "messages"),
+        ("/v1/completions", json.dumps(_completion(prompt=[1, OUT_OF_VOCABULARY])), 400, "prompt"),
+        ("/v1/completions", json.dumps(_completion(prompt=[[1], [OUT_OF_VOCABULARY]], stream=True)), 400, "prompt"),
         ("/v1/completions", json.dumps(_completion(stop=["a", "b", "c", "d", "e"])), 400, "stop"),
         ("/v1/chat/completions", json.dumps(_chat(stop=["a", 5])), 400, "stop.1"),
     ],
@@ -145,6 +151,8 @@ def _too_long_prompt() -> str:
         "n-negative-chat",
         "n-zero-completion",
         "messages-empty",
+        "prompt-token-out-of-vocabulary",
+        "prompt-token-out-of-vocabulary-batch-stream",
         "stop-over-the-limit",
         "stop-list-item-not-a-string",
     ],
