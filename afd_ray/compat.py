@@ -220,9 +220,9 @@ def validate_token_ids(renderer: BaseRenderer, token_ids: list[int], parameter: 
         vllm.exceptions.VLLMValidationError: an id is out of vocabulary (`parameter`
             set, so the error body's `param` names the field).
 
-    A renderer without the method (older vLLM; not verified on 0.26) checks nothing
-    here; the engine's own check still refuses the request, without `param`. Remove
-    the `getattr` with the 0.26 support once 0.26 is known to have it, or not.
+    vLLM 0.26's renderers have no such method (read in its wheel): there nothing is
+    checked here, and the engine's own check still refuses the request, without
+    `param`. Remove the `getattr` with the 0.26 support.
     """
     validate = getattr(renderer, "validate_token_ids", None)
     if validate is not None:
