@@ -49,7 +49,8 @@ bench() {  # bench NAME SECONDS SHAPE PROMPT_TOKENS KV_GIB ATTENTION_MEMORY PLAI
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
-pgrep -x nvidia-cuda-mps-control >/dev/null || nvidia-cuda-mps-control -d && echo "MPS daemon up"
+pgrep -f nvidia-cuda-mps-control >/dev/null || nvidia-cuda-mps-control -d
+pgrep -f nvidia-cuda-mps-control >/dev/null && echo "MPS daemon up" || echo "MPS daemon NOT up (cuda_ipc round trips are time-sliced: milliseconds)"
 for part in $parts; do
   case $part in
     equal) run equal "${EQUAL_S:-200}" python3 -m pytest tests/gpu/test_serve_one_gpu.py --confcutdir=tests/gpu -rs -q -s \
