@@ -34,6 +34,7 @@ from afd_ray.ffn.model import FFNStack
 from afd_ray.ffn.moe import MoE
 from afd_ray.observability.stats import FFNStats
 from afd_ray.observability.steps import FFNStep, PeerStep, StepRing
+from afd_ray.observability.timeline import StepTimeline
 
 __all__ = ["FFNRuntime", "LayoutSwitch"]
 
@@ -124,6 +125,16 @@ class FFNRuntime:
     FFN server for metrics and per-token breakdowns (`afd_ray.observability.steps`).
     With EP, the step agreement all-reduce counts as batching-window wait. On CUDA the
     times are host times of asynchronous launches.
+
+    Step split (`FFNStats.split_*`, `afd_ray.observability.timeline`): per layer the
+    loop stamps when the rows arrived, when compute ended and when the F2A sends ended,
+    on the device timeline (CUDA events on this rank's stream; `time.perf_counter` on
+    CPU), and splits the interval from the previous step's end to this step's end into
+    attention, wire, FFN and idle. Every step is timed on CPU, one in
+    `timeline.CUDA_SAMPLE_EVERY` on CUDA; events are read back once complete, never
+    with a host sync. A step after the loop sat idle for a whole `idle_poll_s` wait,
+    the first after a layout switch and the first after an EP failure are not timed:
+    their interval is the service idle, not a step.
     """
 
     def __init__(
@@ -160,6 +171,8 @@ class FFNRuntime:
         """The current header wait: `poll_s` after activity, doubling while idle."""
         self._batch_window_s = batch_window_s
         self._device = next(model.parameters()).device
+        self._timeline = StepTimeline.of(self._device)
+        """Device-timeline stamps of timed steps: `FFNStats.split_*`."""
         self._stop = threading.Event()
         moe = [block for block in model.layers if isinstance(block, MoE)]
         num_experts = moe[0].spec.num_experts if moe else 0
@@ -187,6 +200,7 @@ class FFNRuntime:
             while not self._stop.is_set():
                 if self._ep_lost_at is not None and not self._await_layout():
                     continue
+                waited = self._wait_s
                 steps, arrived = self._held or ([], {})
                 self._held = None
                 membership: list[StepHeader] = []
@@ -219,6 +233,10 @@ class FFNRuntime:
                 group_stepped = self.ep is not None and any(self.ep.step_tokens)
                 active = bool(steps or membership or dead) or pending is not None or group_stepped
                 self._wait_s = self._poll_s if active else min(2 * self._wait_s, self._idle_poll_s)
+                if not active:
+                    self._count_split()  # a timed step's events completed meanwhile
+                    if waited >= self._idle_poll_s:
+                        self._timeline.rest()
         finally:
             self.channel.close()
 
@@ -252,6 +270,7 @@ class FFNRuntime:
         for peer in self.channel.peers:
             self.channel.remove(peer)
         self._held, self._deferred, self._compute = None, None, None
+        self._timeline.rest()
         group, self.ep = self.ep.group, None
         try:
             group.shutdown()
@@ -305,6 +324,7 @@ class FFNRuntime:
         self.model, self.ep, self.epoch, self.left = switch.model, switch.ep, switch.epoch, switch.leave
         self.channel.epoch = switch.epoch
         self._pending = None
+        self._timeline.rest()
         self._compute = None  # its CUDA graphs captured the old EP group: free them before its shutdown
         if old is not None and old is not switch.ep:
             old.group.shutdown()
@@ -383,6 +403,8 @@ class FFNRuntime:
         topk = None if inputs.routing is None else [t[:tokens] for t in inputs.routing]  # ids, weights: [ΣT_i, k]
         layers = range(first_layer, self.model.num_layers)
         lost: set[int] = set()
+        timeline = self._timeline
+        marks = timeline.begin()  # arrived, computed, sent per layer on a timed step
         for layer in layers:
             for i, (step, peer_rows) in enumerate(zip(steps, rows)):
                 if step.peer in lost:
@@ -394,11 +416,15 @@ class FFNRuntime:
                     self._lost(step.peer, layer, exc, lost)
                     for part in (peer_rows, *(peer_topk or ())):
                         part.zero_()  # finite rows for the rest of the step (expert 0, weight 0)
+            if marks is not None:
+                marks.append(timeline.clock.stamp())
             computing = time.perf_counter()
             out, routed = compute.run(layer, inputs)  # [R, H]; [R, k] int64 for an MoE layer
             if routed is not None:
                 routed = routed[:tokens].flatten()  # [ΣT_i*k]
                 self.expert_tokens.index_add_(0, routed, torch.ones_like(routed))
+            if marks is not None:
+                marks.append(timeline.clock.stamp())
             sending = time.perf_counter()
             compute_s += sending - computing
             for step, peer_out in zip(steps, out[:tokens].split(sizes)):
@@ -407,7 +433,10 @@ class FFNRuntime:
                         self.channel.send_f2a(step.peer, peer_out)
                     except PeerLostError as exc:
                         self._lost(step.peer, layer, exc, lost)
+            if marks is not None:
+                marks.append(timeline.clock.stamp())
             f2a_s += time.perf_counter() - sending
+        timeline.end(marks)
         layer_bytes = hidden.numel() * hidden.element_size()  # [ΣT_i, H] one way, one layer
         topk_bytes = sum(t.numel() * t.element_size() for t in topk) if topk is not None else 0
         end = time.perf_counter()
@@ -425,8 +454,12 @@ class FFNRuntime:
             busy_s=stats.busy_s + end - start,
             a2f_bytes=stats.a2f_bytes + (layer_bytes + topk_bytes) * len(layers),
             f2a_bytes=stats.f2a_bytes + layer_bytes * len(layers),
-        )
+        ).plus_split(timeline.collect())
         return lost
+
+    def _count_split(self) -> None:
+        """Count the timed steps whose stamps completed since the last step."""
+        self.stats = self.stats.plus_split(self._timeline.collect())
 
     @staticmethod
     def _lost(peer: int, layer: int, exc: PeerLostError, lost: set[int]) -> None:

@@ -1,0 +1,171 @@
+"""The FFN step on the FFN rank's device timeline, split into attention, wire, FFN and idle.
+
+On CUDA the FFN loop's calls only queue work (`cuda_ipc` queues a flag wait and copies
+for A2F, compute replays CUDA graphs, F2A queues copies and a flag put) and return at
+once on the host, so host times split nothing. `Clock` stamps markers on the timeline
+the work runs on: on CUDA a `torch.cuda.Event(enable_timing=True)` recorded on the
+current stream of the FFN rank (the one its receives, compute and sends are queued
+on), whose device time is when the stream reached it; on CPU a `time.perf_counter()`
+value, since CPU work is synchronous and host time is the timeline.
+
+`StepTimeline` keeps the stamps of timed steps. Per layer `l` the FFN loop stamps
+`arrived[l]` (after the A2F receives: the rows are in), `computed[l]` (after the
+layer's compute) and `sent[l]` (after the F2A sends). No separate stamp marks where a
+layer's wait starts: on the stream it is the previous layer's `sent` (nothing is
+queued between them). The interval of a timed step, from the previous step's last
+`sent` (`start`) to its own last `sent`, is split into four parts that add up to it
+(each taken from the offsets of the stamps from `start`, so the sum telescopes):
+
+    ffn_s       = Σ_l (computed[l] - arrived[l])        FFN compute, EP collectives included
+    wire_s      = Σ_l (sent[l] - computed[l])           F2A copies and signal (queued on
+                                                        the FFN stream)
+    attention_s = Σ_{l>0} (arrived[l] - sent[l-1])      the attention rank's work of each
+                                                        later layer plus its A2F, as the
+                                                        FFN rank waited for it
+    idle_s      = arrived[0] - start                    before the first layer's rows: the
+                                                        attention rank's work before it,
+                                                        sampling, scheduling, host gaps
+
+The A2F copy is queued on the attention side's stream (into this rank's slot), and the
+copy out of the slot on this rank's stream right after the flag wait: both end before
+`arrived`, so A2F is inside `attention_s` (and `idle_s` for the first layer), not
+`wire_s`. "Layer 0" is the first layer the step runs (`first_layer`).
+
+Sampling: on CPU every step is timed. On CUDA every `CUDA_SAMPLE_EVERY`-th step is
+timed (3 event records per layer), and the step before it records one event at its
+end, its `start`. Events are read back only once the last one completed
+(`Event.query()`, no host sync): `collect` takes the completed steps in order.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["CUDA_SAMPLE_EVERY", "Clock", "StepSplit", "StepTimeline"]
+
+CUDA_SAMPLE_EVERY = 8
+"""On CUDA, one step in this many is timed: keeps the ~3 event records per layer off
+most steps."""
+_PENDING = 64
+"""Timed steps kept while their events are not complete (older ones are dropped)."""
+
+Marker = torch.cuda.Event | float
+"""A point on the timeline: a recorded CUDA event, or a `time.perf_counter()` value."""
+
+
+class Clock:
+    """Stamps on the timeline of `device`'s current stream (CUDA) or of the host (CPU)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def stamp(self) -> Marker:
+        """A marker now: on CUDA an event recorded on the current stream (its time is
+        when the stream reaches it), on CPU `time.perf_counter()`."""
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def done(self, marker: Marker) -> bool:
+        """Whether `marker`'s time is known (CUDA: the event completed; never syncs)."""
+        return marker.query() if isinstance(marker, torch.cuda.Event) else True
+
+    def elapsed_s(self, start: Marker, end: Marker) -> float:
+        """Seconds from `start` to `end`; on CUDA both must be `done`
+        (`Event.elapsed_time` is in milliseconds)."""
+        if isinstance(start, torch.cuda.Event) and isinstance(end, torch.cuda.Event):
+            return start.elapsed_time(end) / 1e3
+        assert isinstance(start, float) and isinstance(end, float)
+        return end - start
+
+
+@dataclass(frozen=True, slots=True)
+class StepSplit:
+    """Sums of the four parts (module docstring) over `steps` timed steps, seconds."""
+
+    steps: int = 0
+    attention_s: float = 0.0
+    wire_s: float = 0.0
+    ffn_s: float = 0.0
+    idle_s: float = 0.0
+
+    def __add__(self, other: StepSplit) -> StepSplit:
+        return StepSplit(
+            self.steps + other.steps, self.attention_s + other.attention_s, self.wire_s + other.wire_s,
+            self.ffn_s + other.ffn_s, self.idle_s + other.idle_s,
+        )  # fmt: skip
+
+
+class StepTimeline:
+    """The stamps of the timed steps of one FFN loop (one thread), and their split.
+
+    Per step: `begin()` returns the list to append the step's stamps to (`arrived`,
+    `computed`, `sent` per layer, in that order, each `clock.stamp()`), or None when
+    the step is not timed; `end(marks)` closes the step. `rest()` after the loop sat
+    idle: the next step starts no interval (that gap is the service idle, not a step).
+
+    Args:
+        clock: the timeline stamped.
+        every: one step in `every` is timed (>= 1).
+
+    Raises:
+        ValueError: `every` < 1.
+    """
+
+    def __init__(self, clock: Clock, every: int) -> None:
+        if every < 1:
+            raise ValueError(f"every: {every} < 1")
+        self.clock = clock
+        self._every = every
+        self._count = 0
+        self._start: Marker | None = None
+        """The previous step's last stamp, while the current step may use it."""
+        self._pending: deque[tuple[Marker, list[Marker]]] = deque(maxlen=_PENDING)
+
+    @classmethod
+    def of(cls, device: torch.device) -> StepTimeline:
+        """Every step on CPU, every `CUDA_SAMPLE_EVERY`-th on CUDA."""
+        clock = Clock(device)
+        return cls(clock, CUDA_SAMPLE_EVERY if clock.cuda else 1)
+
+    def begin(self) -> list[Marker] | None:
+        """Start a step: an empty list to stamp into if it is timed, else None."""
+        self._count += 1
+        return [] if self._count % self._every == 0 else None
+
+    def end(self, marks: list[Marker] | None) -> None:
+        """Close the step `begin` opened: keep a timed step (with a start) for `collect`,
+        and stamp this step's end when the next one is timed."""
+        start, self._start = self._start, None
+        if marks and start is not None:
+            self._pending.append((start, marks))
+        if (self._count + 1) % self._every == 0:
+            self._start = marks[-1] if marks else self.clock.stamp()
+
+    def rest(self) -> None:
+        """The loop was idle: the next step has no start."""
+        self._start = None
+
+    def collect(self) -> StepSplit:
+        """The split of the timed steps whose stamps completed since the last call
+        (oldest first; stops at the first incomplete one)."""
+        split = StepSplit()
+        clock = self.clock
+        while self._pending and clock.done(self._pending[0][1][-1]):
+            start, marks = self._pending.popleft()
+            at = [clock.elapsed_s(start, mark) for mark in marks]  # offsets from start
+            arrived, computed, sent = at[0::3], at[1::3], at[2::3]
+            split += StepSplit(
+                steps=1,
+                attention_s=sum(a - s for a, s in zip(arrived[1:], sent[:-1])),
+                wire_s=sum(s - c for c, s in zip(computed, sent)),
+                ffn_s=sum(c - a for a, c in zip(arrived, computed)),
+                idle_s=arrived[0],
+            )
+        return split

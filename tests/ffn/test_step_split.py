@@ -1,0 +1,108 @@
+"""The FFN step split (`FFNStats.split_*`) of a real FFN runtime on CPU.
+
+One attention peer (an `AttentionChannel` in this process, `shm`) runs steps of the
+tiny Llama's 2 FFN layers with known sleeps: `LAYER_GAP_S` before layer 1 (attention
+work between layers) and `STEP_GAP_S` before each step header (work between steps).
+The split must put the first in `attention_s`, the second in `idle_s`, add up to the
+steps' intervals as the peer saw them, and leave out a step after the loop sat idle.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from afd_ray.connector.channel import AttentionChannel, FFNChannel
+from afd_ray.ffn.model import FFNStack, load_ffn_stack
+from afd_ray.ffn.runtime import FFNRuntime
+from afd_ray.models.tiny import build_tiny
+from afd_ray.observability.stats import FFNStats
+
+LAYER_GAP_S = 0.02
+STEP_GAP_S = 0.03
+STEPS = 10
+IDLE_POLL_S = 0.4
+"""The runtime's longest header wait: a gap of 0.05 + 0.1 + 0.2 + 0.4 s ends an interval."""
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> FFNStack:
+    checkpoint = build_tiny("llama", tmp_path_factory.mktemp("tiny") / "llama")
+    return load_ffn_stack(Path(checkpoint), torch.float32, torch.device("cpu"))
+
+
+@pytest.fixture
+def runtime(stack: FFNStack):
+    channel = FFNChannel("127.0.0.1", "gloo", timeout_s=30)
+    ffn = FFNRuntime(stack, channel, torch.float32, poll_s=0.05, batch_window_s=0.05, idle_poll_s=IDLE_POLL_S)
+    loop = threading.Thread(target=ffn.run)
+    loop.start()
+    yield ffn
+    ffn.stop()
+    loop.join(10)
+
+
+def _steps(runtime: FFNRuntime, channel: AttentionChannel, steps: int) -> list[float]:
+    """Run `steps` steps with the module's gaps; returns when each step's last F2A
+    arrived (`time.perf_counter()`)."""
+    hidden = torch.randn(4, runtime.model.hidden_size)
+    done = []
+    with torch.inference_mode():
+        for _ in range(steps):
+            time.sleep(STEP_GAP_S)
+            channel.send_header(hidden.shape[0])
+            for layer in range(runtime.model.num_layers):
+                if layer > 0:
+                    time.sleep(LAYER_GAP_S)
+                channel.exchange(hidden)
+            done.append(time.perf_counter())
+    return done
+
+
+def _settled(runtime: FFNRuntime, steps: int) -> FFNStats:
+    """The runtime's counters once it counted `steps` steps (bounded wait)."""
+    deadline = time.monotonic() + 10
+    while runtime.stats.steps < steps and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return runtime.stats
+
+
+def test_the_split_of_each_step_adds_up_and_puts_each_gap_in_its_part(runtime: FFNRuntime) -> None:
+    assert runtime.model.num_layers == 2
+    channel = AttentionChannel(runtime.channel.address, 0, 0, "shm", timeout_s=30)
+    done = _steps(runtime, channel, STEPS)
+    stats = _settled(runtime, STEPS)
+    channel.close()
+
+    assert stats.steps == STEPS
+    assert stats.split_steps == STEPS - 1  # the first step has no previous end
+    parts = (stats.split_attention_s, stats.split_wire_s, stats.split_ffn_s, stats.split_idle_s)
+    assert min(parts) >= 0 and stats.split_ffn_s > 0
+    # The FFN rank's intervals end when its last F2A went out, the peer's when it
+    # arrived: the two sums differ only by the delivery jitter of the first and last step.
+    assert sum(parts) == pytest.approx(done[-1] - done[0], abs=0.05)
+    timed = STEPS - 1
+    assert stats.split_attention_s >= timed * LAYER_GAP_S
+    assert stats.split_idle_s >= timed * STEP_GAP_S
+    # The gap between layers is the attention rank's, not the FFN's, nor idle.
+    assert stats.split_ffn_s < timed * LAYER_GAP_S / 2
+    assert stats.split_attention_s < timed * (LAYER_GAP_S + STEP_GAP_S)
+
+
+def test_a_step_after_the_loop_sat_idle_starts_no_interval(runtime: FFNRuntime) -> None:
+    channel = AttentionChannel(runtime.channel.address, 0, 0, "shm", timeout_s=30)
+    _steps(runtime, channel, 3)
+    before = _settled(runtime, 3)
+    time.sleep(2 * (0.05 + 0.1 + 0.2 + IDLE_POLL_S))
+    _steps(runtime, channel, 3)
+    after = _settled(runtime, 6)
+    channel.close()
+
+    assert before.split_steps == 2
+    assert after.split_steps == 4  # the first step after the pause is not timed
+    # The pause (1.5 s) is in no part: the 2 new timed steps' idle is about STEP_GAP_S each.
+    assert after.split_idle_s - before.split_idle_s < 2 * STEP_GAP_S + 0.5
