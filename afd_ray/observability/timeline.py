@@ -61,14 +61,15 @@ class Clock:
     """Stamps on the timeline of `device`'s current stream (CUDA) or of the host (CPU)."""
 
     def __init__(self, device: torch.device) -> None:
+        self.device = device
         self.cuda = device.type == "cuda"
 
     def stamp(self) -> Marker:
-        """A marker now: on CUDA an event recorded on the current stream (its time is
-        when the stream reaches it), on CPU `time.perf_counter()`."""
+        """A marker now: on CUDA an event recorded on `device`'s current stream (its
+        time is when the stream reaches it), on CPU `time.perf_counter()`."""
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
-            event.record()
+            event.record(torch.cuda.current_stream(self.device))
             return event
         return time.perf_counter()
 
