@@ -29,7 +29,7 @@ from datetime import date
 from pathlib import Path
 
 from afd_ray.bench.config import BenchConfig, Topology
-from afd_ray.bench.schema import BenchResult
+from afd_ray.bench.schema import BenchResult, FFNRankResult
 from afd_ray.models import FAMILIES
 from afd_ray.models.shapes import SHAPES
 
@@ -110,11 +110,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _split(rank: FFNRankResult) -> str:
+    """`attention/wire/ffn/idle` mean ms per timed step of one FFN rank, or `-`."""
+    split = rank.split
+    if split is None:
+        return "-"
+    return f"{split.attention_ms:.2f}/{split.wire_ms:.2f}/{split.ffn_ms:.2f}/{split.idle_ms:.2f}"
+
+
 def format_table(result: BenchResult) -> str:
-    """One line per run: throughput, latencies, FFN traffic and busy fraction."""
+    """One line per run: throughput, latencies, FFN traffic, busy fraction and step split."""
     header = (
         f"{'family':<18}{'layout':<10}{'batch':>6}{'thr':>4}{'tok/s':>9}{'TTFT p50':>10}{'TPOT':>8}{'ITL p50':>9}"
-        f"{'ITL p99':>9}{'tok/step':>10}{'B/step':>10}{'formula':>10}{'FFN busy':>10}"
+        f"{'ITL p99':>9}{'tok/step':>10}{'B/step':>10}{'formula':>10}{'FFN busy':>10}  {'split a/w/f/i'}"
     )
     lines = [header, "-" * len(header)]
     for run in result.runs:
@@ -122,16 +130,18 @@ def format_table(result: BenchResult) -> str:
             tokens = f"{sum(r.mean_tokens_per_step for r in run.ffn):.2f}"
             measured, formula = f"{run.measured_bytes_per_step:.0f}", f"{run.formula_bytes_per_step:.0f}"
             busy = "/".join(f"{r.busy_fraction:.2f}" for r in run.ffn)
+            split = " ".join(_split(r) for r in run.ffn)
         else:
-            tokens = measured = formula = busy = "-"
+            tokens = measured = formula = busy = split = "-"
         lines.append(
             f"{run.family:<18}{run.label:<10}{run.concurrency:>6}{run.threads:>4}{run.output_tokens_per_s:>9.1f}"
             f"{run.ttft.p50_ms:>10.1f}{run.tpot.mean_ms:>8.1f}{run.itl.p50_ms:>9.1f}{run.itl.p99_ms:>9.1f}"
-            f"{tokens:>10}{measured:>10}{formula:>10}{busy:>10}"
+            f"{tokens:>10}{measured:>10}{formula:>10}{busy:>10}  {split}"
         )
     lines.append(
         "batch: concurrent streams; times in ms (TPOT: mean over requests); tok/step and B/step (A2F+F2A) summed over FFN "
-        "ranks; formula = 2 x L x N_tokens x H x bytes; FFN busy per rank"
+        "ranks; formula = 2 x L x N_tokens x H x bytes; FFN busy per rank; split a/w/f/i per FFN rank: mean ms per "
+        "timed step of attention/wire/FFN/idle on the FFN rank's device timeline"
     )
     return "\n".join(lines)
 

@@ -29,7 +29,15 @@ from ray import serve
 from afd_ray.bench.config import BenchConfig, Topology
 from afd_ray.bench.load import LoadResult, run_load
 from afd_ray.bench.plain import build_plain_app
-from afd_ray.bench.schema import BenchResult, FFNRankResult, Latency, Machine, RunResult, TransportResult
+from afd_ray.bench.schema import (
+    BenchResult,
+    FFNRankResult,
+    Latency,
+    Machine,
+    RunResult,
+    StepSplitResult,
+    TransportResult,
+)
 from afd_ray.bench.transport import run as run_transport_microbench
 from afd_ray.config import (
     AFDConfig,
@@ -172,7 +180,28 @@ def _ffn_rank(
         f2a_bytes_per_step=(after.f2a_bytes - before.f2a_bytes) / steps,
         formula_bytes_per_step=2 * layers * (tokens / steps) * hidden * elem,
         busy_fraction=(after.busy_s - before.busy_s) / wall_s,
+        split=_split(before, after),
     )
+
+
+def _split(before: FFNMember, after: FFNMember) -> StepSplitResult | None:
+    """The step split of one FFN rank over the load (deltas of its `split_*` counters);
+    None when no step of the load was timed."""
+    timed = after.split_steps - before.split_steps
+    if timed <= 0:
+        return None
+    attention = after.split_attention_s - before.split_attention_s
+    wire = after.split_wire_s - before.split_wire_s
+    ffn = after.split_ffn_s - before.split_ffn_s
+    idle = after.split_idle_s - before.split_idle_s
+    total = attention + wire + ffn + idle
+    ms, share = 1e3 / timed, 1 / total if total > 0 else 0.0
+    return StepSplitResult(
+        timed_steps=timed, step_ms=total * ms,
+        attention_ms=attention * ms, wire_ms=wire * ms, ffn_ms=ffn * ms, idle_ms=idle * ms,
+        attention_fraction=attention * share, wire_fraction=wire * share, ffn_fraction=ffn * share,
+        idle_fraction=idle * share,
+    )  # fmt: skip
 
 
 def _prompts(cfg: BenchConfig, checkpoint: Path, streams: int) -> list[str | list[int]]:

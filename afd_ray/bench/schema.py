@@ -13,7 +13,10 @@ from pydantic import BaseModel, ConfigDict
 
 from afd_ray.bench.config import BenchConfig, Topology
 
-__all__ = ["SCHEMA_VERSION", "BenchResult", "FFNRankResult", "Latency", "Machine", "RunResult", "TransportResult"]
+__all__ = [
+    "SCHEMA_VERSION", "BenchResult", "FFNRankResult", "Latency", "Machine", "RunResult", "StepSplitResult",
+    "TransportResult",
+]
 
 SCHEMA_VERSION = 2
 """Bumped whenever a field changes meaning or is removed (2: `config.concurrency` is
@@ -65,6 +68,33 @@ class Machine(_Record):
     """Name of CUDA device 0 (`torch.cuda.get_device_name`) on a `cuda` run; None on CPU."""
 
 
+class StepSplitResult(_Record):
+    """One FFN rank's step split over the load (`afd_ray.observability.timeline`): the
+    interval from one FFN step's last F2A to the next one's, on the FFN rank's device
+    timeline (CUDA events of its stream; host time on CPU), as means per timed step,
+    milliseconds, and as fractions of `step_ms` (they add up to 1)."""
+
+    timed_steps: int
+    """Steps timed during the load (every step on CPU, one in
+    `timeline.CUDA_SAMPLE_EVERY` on CUDA; not a step after the loop sat idle)."""
+    step_ms: float
+    """Mean interval: the sum of the four parts."""
+    attention_ms: float
+    """Waits for each later layer's rows: the attention rank's per-layer work and the
+    A2F transfer."""
+    wire_ms: float
+    """F2A copies and signals queued on the FFN rank."""
+    ffn_ms: float
+    """FFN compute, EP collectives included."""
+    idle_ms: float
+    """Previous step's last F2A to the first layer's rows: the attention rank's work
+    before layer 0, sampling, scheduling, host gaps."""
+    attention_fraction: float
+    wire_fraction: float
+    ffn_fraction: float
+    idle_fraction: float
+
+
 class FFNRankResult(_Record):
     """One FFN rank over the measured load: counter deltas of `/afd/status`."""
 
@@ -83,7 +113,10 @@ class FFNRankResult(_Record):
     """DESIGN §1's `2 × L × N_tokens × H × bytes_per_elem`, with L and H from the
     checkpoint config and N_tokens = `mean_tokens_per_step`."""
     busy_fraction: float
-    """Time inside steps (receive + compute + send) over the load's wall time."""
+    """Time inside steps (receive + compute + send) over the load's wall time (host
+    time: on CUDA the launches, not the device work)."""
+    split: StepSplitResult | None = None
+    """The step split of the load; None when no step of it was timed."""
 
 
 class RunResult(_Record):
