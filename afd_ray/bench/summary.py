@@ -15,7 +15,10 @@ bfloat16), `equal_tokens_by_mode`, `prompt_logprob_max_abs_diff`,
 `roundtrip_us_graph` ("1"/"16"/"128" -> µs), `moe_layer_over_floor` (DeepSeek-V2-Lite
 shape at T = 128), `afd_over_plain_tok_s` (best AFD batch over best plain batch, output
 tok/s) and `product` (batch -> tok/s and TPOT per side), plus `graphs` (whether the
-bench ran CUDA graphs). A missing input leaves its keys out.
+bench ran CUDA graphs) and `step_split` (batch -> the AFD 1A:1F run's FFN step split:
+`timed_steps`, `step_ms`, `attention_ms`, `wire_ms`, `ffn_ms`, `idle_ms` and the four
+`*_fraction`s, `afd_ray.bench.schema.StepSplitResult`; left out when the bench timed
+no step). A missing input leaves its keys out.
 """
 
 from __future__ import annotations
@@ -64,12 +67,14 @@ def equality(logs: list[Path]) -> dict[str, object]:
 
 def product(result: BenchResult) -> dict[str, object]:
     """Per batch (concurrency) and side (`plain`, `1A1F`): output tok/s and TPOT p50;
-    `afd_over_plain_tok_s`: the best AFD 1A:1F batch's tok/s over the best plain batch's.
+    `afd_over_plain_tok_s`: the best AFD 1A:1F batch's tok/s over the best plain batch's;
+    `step_split`: per batch, the 1A:1F run's FFN step split (rounded to 4 digits).
 
     Raises:
         ValueError: the result has no plain or no 1A:1F run.
     """
     table: dict[str, dict[str, dict[str, float]]] = {}
+    split: dict[str, dict[str, float]] = {}
     best: dict[str, float] = {}
     for run in result.runs:
         if run.label not in ("plain", "1A1F"):
@@ -78,6 +83,8 @@ def product(result: BenchResult) -> dict[str, object]:
             "output_tok_s": round(run.output_tokens_per_s, 1), "tpot_p50_ms": round(run.tpot.p50_ms, 2),
         }  # fmt: skip
         best[run.label] = max(best.get(run.label, 0.0), run.output_tokens_per_s)
+        if run.label == "1A1F" and run.ffn and run.ffn[0].split is not None:
+            split[str(run.concurrency)] = {k: round(v, 4) for k, v in run.ffn[0].split.model_dump().items()}
     if set(best) != {"plain", "1A1F"}:
         raise ValueError(f"--bench: needs plain and 1A1F runs, has {sorted(best)}")
     return {
@@ -85,7 +92,7 @@ def product(result: BenchResult) -> dict[str, object]:
         "graphs": not result.config.enforce_eager,
         "product": table,
         "afd_over_plain_tok_s": round(best["1A1F"] / best["plain"], 3),
-    }
+    } | ({"step_split": split} if split else {})
 
 
 def summarize(

@@ -1,6 +1,7 @@
 """`afd_ray.bench.summary` on the committed results of the 2026-12-01 H200 run: the
 values it derives must be the ones that run's hand-written results file states, and
-the llama CUDA-graph record of that run (0/96 tokens equal) must make llama unequal."""
+the llama CUDA-graph record of that run (0/96 tokens equal) must make llama unequal.
+A bench result with the FFN step split reports it per AFD batch (`step_split`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from afd_ray.bench.schema import BenchResult, FFNRankResult, StepSplitResult
 from afd_ray.bench.summary import main, summarize
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
@@ -44,3 +46,35 @@ def test_a_bench_without_both_sides_is_refused(tmp_path: Path) -> None:
     bench.write_text(json.dumps(result))
     with pytest.raises(ValueError, match="--bench: needs plain and 1A1F"):
         summarize([], bench, None, None)
+
+
+def test_old_bench_results_without_a_step_split_leave_the_key_out() -> None:
+    got = summarize([], RESULTS / f"{RUN}-product-dsv2.json", None, None)
+    assert "step_split" not in got
+
+
+def test_the_step_split_of_each_afd_batch_is_reported(tmp_path: Path) -> None:
+    result = BenchResult.model_validate_json((RESULTS / f"{RUN}-product-dsv2.json").read_text())
+    runs = []
+    for run in result.runs:
+        if run.label == "1A1F":
+            c = run.concurrency
+            split = StepSplitResult(
+                timed_steps=c, step_ms=10.0, attention_ms=4.0, wire_ms=0.5, ffn_ms=c / 100, idle_ms=5.5 - c / 100,
+                attention_fraction=0.4, wire_fraction=0.05, ffn_fraction=c / 1000, idle_fraction=0.55 - c / 1000,
+            )  # fmt: skip
+            rank = FFNRankResult(
+                rank=0, steps=c, tokens=c * c, mean_tokens_per_step=c, a2f_bytes_per_step=1.0, f2a_bytes_per_step=1.0,
+                formula_bytes_per_step=1.0, busy_fraction=0.5, split=split,
+            )  # fmt: skip
+            run = run.model_copy(update={"ffn": [rank]})
+        runs.append(run)
+    bench = tmp_path / "bench.json"
+    bench.write_text(result.model_copy(update={"runs": runs}).model_dump_json())
+
+    got = summarize([], bench, None, None)
+    assert sorted(got["step_split"], key=int) == ["16", "64", "256"]  # the AFD batches only
+    assert got["step_split"]["64"] == {
+        "timed_steps": 64, "step_ms": 10.0, "attention_ms": 4.0, "wire_ms": 0.5, "ffn_ms": 0.64, "idle_ms": 4.86,
+        "attention_fraction": 0.4, "wire_fraction": 0.05, "ffn_fraction": 0.064, "idle_fraction": 0.486,
+    }  # fmt: skip
