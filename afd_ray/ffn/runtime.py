@@ -132,9 +132,10 @@ class FFNRuntime:
     CPU), and splits the interval from the previous step's end to this step's end into
     attention, wire, FFN and idle. Every step is timed on CPU, one in
     `timeline.CUDA_SAMPLE_EVERY` on CUDA; events are read back once complete, never
-    with a host sync. A step after the loop sat idle for a whole `idle_poll_s` wait,
-    the first after a layout switch and the first after an EP failure are not timed:
-    their interval is the service idle, not a step.
+    with a host sync. A step that starts more than `timeline.IDLE_GAP_S` after the
+    previous one ended (host time), the first after a layout switch and the first
+    after an EP failure are not timed: their interval is the service idle or a
+    rebuild, not a step.
     """
 
     def __init__(
@@ -200,7 +201,6 @@ class FFNRuntime:
             while not self._stop.is_set():
                 if self._ep_lost_at is not None and not self._await_layout():
                     continue
-                waited = self._wait_s
                 steps, arrived = self._held or ([], {})
                 self._held = None
                 membership: list[StepHeader] = []
@@ -235,8 +235,6 @@ class FFNRuntime:
                 self._wait_s = self._poll_s if active else min(2 * self._wait_s, self._idle_poll_s)
                 if not active:
                     self._count_split()  # a timed step's events completed meanwhile
-                    if waited >= self._idle_poll_s:
-                        self._timeline.rest()
         finally:
             self.channel.close()
 
@@ -404,7 +402,7 @@ class FFNRuntime:
         layers = range(first_layer, self.model.num_layers)
         lost: set[int] = set()
         timeline = self._timeline
-        marks = timeline.begin()  # arrived, computed, sent per layer on a timed step
+        marks = timeline.begin(start)  # arrived, computed, sent per layer on a timed step
         for layer in layers:
             for i, (step, peer_rows) in enumerate(zip(steps, rows)):
                 if step.peer in lost:
@@ -436,7 +434,7 @@ class FFNRuntime:
             if marks is not None:
                 marks.append(timeline.clock.stamp())
             f2a_s += time.perf_counter() - sending
-        timeline.end(marks)
+        timeline.end(marks, time.perf_counter())
         layer_bytes = hidden.numel() * hidden.element_size()  # [ΣT_i, H] one way, one layer
         topk_bytes = sum(t.numel() * t.element_size() for t in topk) if topk is not None else 0
         end = time.perf_counter()

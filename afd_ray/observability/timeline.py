@@ -31,6 +31,12 @@ copy out of the slot on this rank's stream right after the flag wait: both end b
 `arrived`, so A2F is inside `attention_s` (and `idle_s` for the first layer), not
 `wire_s`. "Layer 0" is the first layer the step runs (`first_layer`).
 
+A step that starts (host time) more than `IDLE_GAP_S` after the previous step ended
+starts no interval: that gap is the service without work (e.g. between two loads),
+not part of a step. On CPU the host gap between steps is only the attention rank's
+work after the last layer and before the first; on CUDA, where the host runs ahead,
+it is about one step time.
+
 Sampling: on CPU every step is timed. On CUDA every `CUDA_SAMPLE_EVERY`-th step is
 timed (3 event records per layer), and the step before it records one event at its
 end, its `start`. Events are read back only once the last one completed
@@ -45,11 +51,16 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CUDA_SAMPLE_EVERY", "Clock", "StepSplit", "StepTimeline"]
+__all__ = ["CUDA_SAMPLE_EVERY", "IDLE_GAP_S", "Clock", "StepSplit", "StepTimeline"]
 
 CUDA_SAMPLE_EVERY = 8
 """On CUDA, one step in this many is timed: keeps the ~3 event records per layer off
 most steps."""
+IDLE_GAP_S = 0.4
+"""A step starting more than this after the previous one ended (host time) is not
+timed, seconds: longer than a decode step's host gap (the H200 bench's slowest 1A:1F
+step took ~0.12 s), shorter than the bench's pause between loads (>= 0.5 s,
+`afd_ray.bench.runner`'s settle poll)."""
 _PENDING = 64
 """Timed steps kept while their events are not complete (older ones are dropped)."""
 
@@ -108,8 +119,9 @@ class StepTimeline:
 
     Per step: `begin()` returns the list to append the step's stamps to (`arrived`,
     `computed`, `sent` per layer, in that order, each `clock.stamp()`), or None when
-    the step is not timed; `end(marks)` closes the step. `rest()` after the loop sat
-    idle: the next step starts no interval (that gap is the service idle, not a step).
+    the step is not timed; `end(marks, now_s)` closes the step. A step that begins more
+    than `IDLE_GAP_S` after the previous one ended, or after `rest()` (the layout
+    changed), starts no interval.
 
     Args:
         clock: the timeline stamped.
@@ -127,6 +139,8 @@ class StepTimeline:
         self._count = 0
         self._start: Marker | None = None
         """The previous step's last stamp, while the current step may use it."""
+        self._ended_s = 0.0
+        """Host time the previous step ended (`time.perf_counter()`)."""
         self._pending: deque[tuple[Marker, list[Marker]]] = deque(maxlen=_PENDING)
 
     @classmethod
@@ -135,22 +149,26 @@ class StepTimeline:
         clock = Clock(device)
         return cls(clock, CUDA_SAMPLE_EVERY if clock.cuda else 1)
 
-    def begin(self) -> list[Marker] | None:
-        """Start a step: an empty list to stamp into if it is timed, else None."""
+    def begin(self, now_s: float) -> list[Marker] | None:
+        """Start a step at host time `now_s` (`time.perf_counter()`): an empty list to
+        stamp into if it is timed, else None."""
+        if now_s - self._ended_s > IDLE_GAP_S:
+            self._start = None
         self._count += 1
         return [] if self._count % self._every == 0 else None
 
-    def end(self, marks: list[Marker] | None) -> None:
-        """Close the step `begin` opened: keep a timed step (with a start) for `collect`,
-        and stamp this step's end when the next one is timed."""
+    def end(self, marks: list[Marker] | None, now_s: float) -> None:
+        """Close the step `begin` opened, at host time `now_s`: keep a timed step (with
+        a start) for `collect`, and stamp this step's end when the next one is timed."""
         start, self._start = self._start, None
         if marks and start is not None:
             self._pending.append((start, marks))
         if (self._count + 1) % self._every == 0:
             self._start = marks[-1] if marks else self.clock.stamp()
+        self._ended_s = now_s
 
     def rest(self) -> None:
-        """The loop was idle: the next step has no start."""
+        """The next step starts no interval (the layout changed since this one)."""
         self._start = None
 
     def collect(self) -> StepSplit:

@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 
 from afd_ray.bench.cli import format_table
-from afd_ray.bench.runner import _ffn_rank
+from afd_ray.bench.runner import _SETTLE_POLL_S, _ffn_rank
 from afd_ray.bench.schema import BenchResult
 from afd_ray.connector.channel import FFNAddress
 from afd_ray.control.membership import FFNMember
+from afd_ray.observability.timeline import IDLE_GAP_S
 
 RESULT = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "h200-2026-12-01-product-dsv2.json"
 ADDRESS = FFNAddress("127.0.0.1", 1, 2)
@@ -54,3 +55,9 @@ def test_the_table_shows_each_afd_runs_split() -> None:
     assert [line.endswith("4.00/0.10/5.00/1.50") for line in lines] == [False] * 3 + [True] * 3
     assert all(line.endswith("  -") for line in lines[:3])  # plain vLLM
     assert "attention/wire/FFN/idle" in legend
+
+
+def test_the_pause_between_two_loads_is_no_step_of_either() -> None:
+    """The bench pauses at least one settle poll between loads (warm-up, measured):
+    longer than `IDLE_GAP_S`, so the first step of a load starts no interval."""
+    assert _SETTLE_POLL_S > IDLE_GAP_S

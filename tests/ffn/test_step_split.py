@@ -4,7 +4,8 @@ One attention peer (an `AttentionChannel` in this process, `shm`) runs steps of 
 tiny Llama's 2 FFN layers with known sleeps: `LAYER_GAP_S` before layer 1 (attention
 work between layers) and `STEP_GAP_S` before each step header (work between steps).
 The split must put the first in `attention_s`, the second in `idle_s`, add up to the
-steps' intervals as the peer saw them, and leave out a step after the loop sat idle.
+steps' intervals as the peer saw them, and leave out a step after a pause longer
+than `timeline.IDLE_GAP_S`.
 """
 
 from __future__ import annotations
@@ -21,12 +22,11 @@ from afd_ray.ffn.model import FFNStack, load_ffn_stack
 from afd_ray.ffn.runtime import FFNRuntime
 from afd_ray.models.tiny import build_tiny
 from afd_ray.observability.stats import FFNStats
+from afd_ray.observability.timeline import IDLE_GAP_S
 
 LAYER_GAP_S = 0.02
 STEP_GAP_S = 0.03
 STEPS = 10
-IDLE_POLL_S = 0.4
-"""The runtime's longest header wait: a gap of 0.05 + 0.1 + 0.2 + 0.4 s ends an interval."""
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> FFNStack:
 @pytest.fixture
 def runtime(stack: FFNStack):
     channel = FFNChannel("127.0.0.1", "gloo", timeout_s=30)
-    ffn = FFNRuntime(stack, channel, torch.float32, poll_s=0.05, batch_window_s=0.05, idle_poll_s=IDLE_POLL_S)
+    ffn = FFNRuntime(stack, channel, torch.float32, poll_s=0.05, batch_window_s=0.05)
     loop = threading.Thread(target=ffn.run)
     loop.start()
     yield ffn
@@ -93,16 +93,16 @@ def test_the_split_of_each_step_adds_up_and_puts_each_gap_in_its_part(runtime: F
     assert stats.split_attention_s < timed * (LAYER_GAP_S + STEP_GAP_S)
 
 
-def test_a_step_after_the_loop_sat_idle_starts_no_interval(runtime: FFNRuntime) -> None:
+def test_a_step_after_a_pause_starts_no_interval(runtime: FFNRuntime) -> None:
     channel = AttentionChannel(runtime.channel.address, 0, 0, "shm", timeout_s=30)
     _steps(runtime, channel, 3)
     before = _settled(runtime, 3)
-    time.sleep(2 * (0.05 + 0.1 + 0.2 + IDLE_POLL_S))
+    time.sleep(3 * IDLE_GAP_S)
     _steps(runtime, channel, 3)
     after = _settled(runtime, 6)
     channel.close()
 
     assert before.split_steps == 2
     assert after.split_steps == 4  # the first step after the pause is not timed
-    # The pause (1.5 s) is in no part: the 2 new timed steps' idle is about STEP_GAP_S each.
-    assert after.split_idle_s - before.split_idle_s < 2 * STEP_GAP_S + 0.5
+    # The pause is in no part: the 2 new timed steps' idle is about STEP_GAP_S each.
+    assert after.split_idle_s - before.split_idle_s < 2 * IDLE_GAP_S

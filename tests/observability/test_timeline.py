@@ -1,5 +1,5 @@
 """`StepTimeline` on the CPU clock: sampling one step in N times only that step's own
-interval, and its parts add up to it."""
+interval, its parts add up to it, and a gap of the service without work is no step's."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from afd_ray.observability.timeline import Clock, StepTimeline
+from afd_ray.observability.timeline import IDLE_GAP_S, Clock, StepTimeline
 
 GAP_S = 0.004
 """Sleep between two stamps: each part of a step is a known number of gaps."""
@@ -17,7 +17,7 @@ GAP_S = 0.004
 def _step(timeline: StepTimeline, layers: int, idle_gaps: int) -> None:
     """One step: `idle_gaps` before layer 0's rows; per layer 2 gaps of compute, 1 of
     wire, and 3 of attention before a later layer's rows."""
-    marks = timeline.begin()
+    marks = timeline.begin(time.perf_counter())
     time.sleep(idle_gaps * GAP_S)
     for layer in range(layers):
         if layer:
@@ -26,7 +26,7 @@ def _step(timeline: StepTimeline, layers: int, idle_gaps: int) -> None:
             time.sleep(gaps * GAP_S)
             if marks is not None:
                 marks.append(timeline.clock.stamp())
-    timeline.end(marks)
+    timeline.end(marks, time.perf_counter())
 
 
 def test_one_step_in_four_is_timed_over_its_own_interval() -> None:
@@ -58,6 +58,16 @@ def test_rest_drops_the_next_interval() -> None:
     timeline.rest()
     _step(timeline, 1, idle_gaps=0)
     assert timeline.collect().steps == 1
+
+
+def test_a_step_after_an_idle_gap_starts_no_interval() -> None:
+    timeline = StepTimeline(Clock(torch.device("cpu")), every=1)
+    _step(timeline, 1, idle_gaps=0)
+    time.sleep(IDLE_GAP_S * 1.2)
+    _step(timeline, 1, idle_gaps=0)  # the gap is before its begin: not timed
+    _step(timeline, 1, idle_gaps=int(IDLE_GAP_S / GAP_S / 2))  # a gap inside the step counts
+    split = timeline.collect()
+    assert split.steps == 1 and split.idle_s >= IDLE_GAP_S / 2 - GAP_S
 
 
 def test_every_must_be_positive() -> None:
