@@ -76,7 +76,8 @@ class StepSplitResult(_Record):
 
     timed_steps: int
     """Steps timed during the load (every step on CPU, one in
-    `timeline.CUDA_SAMPLE_EVERY` on CUDA; not a step after the loop sat idle)."""
+    `timeline.CUDA_SAMPLE_EVERY` on CUDA; not a step starting over `timeline.IDLE_GAP_S` after the
+    previous one, like the first of the load)."""
     step_ms: float
     """Mean interval: the sum of the four parts."""
     attention_ms: float

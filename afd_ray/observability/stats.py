@@ -30,7 +30,7 @@ class FFNStats:
     split_steps: int = 0
     """Timed steps whose device-timeline split is summed in `split_*_s`
     (`afd_ray.observability.timeline`: every step on CPU, a sample on CUDA; a step
-    after the loop sat idle is not timed). Divide the sums by it for means per step."""
+    starting over `timeline.IDLE_GAP_S` after the previous one is not timed). Divide the sums by it for means per step."""
     split_attention_s: float = 0.0
     """Timed steps: waits for each later layer's rows (the attention rank's per-layer
     work and the A2F transfer), seconds on the FFN rank's timeline."""
