@@ -29,7 +29,9 @@ queued between them). The interval of a timed step, from the previous step's las
 The A2F copy is queued on the attention side's stream (into this rank's slot), and the
 copy out of the slot on this rank's stream right after the flag wait: both end before
 `arrived`, so A2F is inside `attention_s` (and `idle_s` for the first layer), not
-`wire_s`. "Layer 0" is the first layer the step runs (`first_layer`).
+`wire_s`. "Layer 0" is the first layer the step runs (`first_layer`). On CUDA a
+stretch where the stream waited for this rank's host to queue the next layer also
+lands in `attention_s` (or `idle_s`): the stamps see the stream, not who held it up.
 
 A step that starts (host time) more than `IDLE_GAP_S` after the previous step ended
 starts no interval: that gap is the service without work (e.g. between two loads),
