@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -48,8 +50,11 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
         serve.delete(SESSION_APP)
 
 
+_DASHBOARD = pytest.StashKey[str]()
+
+
 @pytest.fixture(scope="session")
-def ray_cluster() -> Iterator[None]:
+def ray_cluster(request: pytest.FixtureRequest) -> Iterator[None]:
     """A fresh single-node Ray cluster, shut down after the session.
 
     Ray binds its own services to the node's IP (it rewrites a loopback
@@ -65,12 +70,33 @@ def ray_cluster() -> Iterator[None]:
     `num_cpus=8` logical CPUs on a 2-core machine: Ray CPUs are scheduling units,
     and the pools' bundles (one CPU each) plus the Serve controller and proxy need
     more units than there are cores. The cores are shared by the OS scheduler.
+
+    The dashboard (the Jobs API) runs only when a collected test uses `ray_dashboard`:
+    it starts a few more processes and, on the busy 2-core machine, took up to 100 s.
+    Then it listens on a free loopback port, and this interpreter's bin folder comes
+    first on PATH, as `make serve` does: a job's `python ...` entrypoint runs the
+    project's Python.
     """
+    dashboard = any("ray_dashboard" in item.fixturenames for item in request.session.items)
     with pytest.MonkeyPatch.context() as env:
         env.setenv("RAY_AUTH_MODE", "disabled")
-        ray.init(address="local", include_dashboard=False, num_cpus=8)
+        if not dashboard:
+            ray.init(address="local", include_dashboard=False, num_cpus=8)
+        else:
+            port = _free_port()
+            request.config.stash[_DASHBOARD] = f"http://127.0.0.1:{port}"
+            env.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+            ray.init(
+                address="local", include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=port, num_cpus=8
+            )
         yield
         ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def ray_dashboard(ray_cluster: None, request: pytest.FixtureRequest) -> str:
+    """`http://127.0.0.1:<port>` of the session cluster's dashboard (its Jobs API)."""
+    return request.config.stash[_DASHBOARD]
 
 
 def _free_port() -> int:

@@ -33,7 +33,7 @@ from afd_ray.bench.schema import BenchResult, FFNRankResult
 from afd_ray.models import FAMILIES
 from afd_ray.models.shapes import SHAPES
 
-__all__ = ["build_parser", "format_table", "main"]
+__all__ = ["build_parser", "format_table", "main", "serve_endpoint"]
 
 SMOKE = {
     "topologies": ("plain", "1A1F"), "concurrency": (1,), "requests_per_stream": 1, "max_tokens": 4,
@@ -66,6 +66,9 @@ _FLAG_TYPES: dict[str, dict[str, object]] = {
     "transport_microbench": {"action": argparse.BooleanOptionalAction},
     "seed": {"type": int},
     "checkpoints": {"type": Path},
+    "slo_ttft_ms": {"type": float},
+    "slo_tpot_ms": {"type": float},
+    "price_per_device_hour": {"type": float},
     "request_timeout_s": {"type": float},
     "note": {},
 }
@@ -122,7 +125,8 @@ def format_table(result: BenchResult) -> str:
     """One line per run: throughput, latencies, FFN traffic, busy fraction and step split."""
     header = (
         f"{'family':<18}{'layout':<10}{'batch':>6}{'thr':>4}{'tok/s':>9}{'TTFT p50':>10}{'TPOT':>8}{'ITL p50':>9}"
-        f"{'ITL p99':>9}{'tok/step':>10}{'B/step':>10}{'formula':>10}{'FFN busy':>10}  {'split a/w/f/i'}"
+        f"{'ITL p99':>9}{'tok/step':>10}{'B/step':>10}{'formula':>10}{'FFN busy':>10}{'good r/s':>10}{'cost/1M':>9}"
+        f"  {'split a/w/f/i'}"
     )
     lines = [header, "-" * len(header)]
     for run in result.runs:
@@ -136,12 +140,15 @@ def format_table(result: BenchResult) -> str:
         lines.append(
             f"{run.family:<18}{run.label:<10}{run.concurrency:>6}{run.threads:>4}{run.output_tokens_per_s:>9.1f}"
             f"{run.ttft.p50_ms:>10.1f}{run.tpot.mean_ms:>8.1f}{run.itl.p50_ms:>9.1f}{run.itl.p99_ms:>9.1f}"
-            f"{tokens:>10}{measured:>10}{formula:>10}{busy:>10}  {split}"
+            f"{tokens:>10}{measured:>10}{formula:>10}{busy:>10}"
+            f"{run.slo.goodput_rps:>10.2f}{run.slo.cost_per_1m_output_tokens:>9.2f}  {split}"
         )
     lines.append(
         "batch: concurrent streams; times in ms (TPOT: mean over requests); tok/step and B/step (A2F+F2A) summed over FFN "
-        "ranks; formula = 2 x L x N_tokens x H x bytes; FFN busy per rank; split a/w/f/i per FFN rank: mean ms per "
-        "timed step of attention/wire/FFN/idle on the FFN rank's device timeline"
+        "ranks; formula = 2 x L x N_tokens x H x bytes; FFN busy per rank; good r/s: requests/s "
+        f"meeting TTFT <= {result.config.slo_ttft_ms:g} ms and TPOT <= {result.config.slo_tpot_ms:g} ms; "
+        f"cost/1M: per 1M output tokens at {result.config.price_per_device_hour:g} per device-hour; "
+        "split a/w/f/i per FFN rank: mean ms per timed step of attention/wire/FFN/idle on the FFN rank's device timeline"
     )
     return "\n".join(lines)
 
@@ -178,7 +185,7 @@ def _serve_url(dashboard_url: str | None) -> str:
 
 
 @contextmanager
-def _serve_endpoint(cfg: BenchConfig, ray_address: str | None, serve_url: str | None) -> Iterator[str]:
+def serve_endpoint(cfg: BenchConfig, ray_address: str | None, serve_url: str | None) -> Iterator[str]:
     """Connect to Ray as the module docstring says; yield the Serve HTTP URL."""
     import ray
     from ray import serve
@@ -215,7 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from afd_ray.bench.runner import run_benchmark
     from afd_ray.bench.transport import format_table as format_transport_table
 
-    with _serve_endpoint(cfg, ray_address, serve_url) as url:
+    with serve_endpoint(cfg, ray_address, serve_url) as url:
         result = run_benchmark(cfg, url)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(result.model_dump_json(indent=2) + "\n")

@@ -162,6 +162,16 @@ class BenchConfig(BaseModel):
     """Folder holding the tiny checkpoints (`<family>-seed<seed>/`), built on first use;
     default `<afd_ray cache>/tiny`."""
 
+    slo_ttft_ms: float = Field(2000.0, gt=0)
+    """TTFT target of SLO-goodput (`afd_ray.bench.slo`), milliseconds."""
+
+    slo_tpot_ms: float = Field(100.0, gt=0)
+    """TPOT target of SLO-goodput (`afd_ray.bench.slo`), milliseconds."""
+
+    price_per_device_hour: float = Field(1.0, gt=0)
+    """Price of one device (pool member) for one hour, for the cost per 1M output
+    tokens; any currency unit (e.g. an H200's hourly rate)."""
+
     request_timeout_s: float = Field(300.0, gt=0)
     """HTTP timeout of each request and of each status read, seconds."""
 

@@ -38,6 +38,7 @@ from afd_ray.bench.schema import (
     StepSplitResult,
     TransportResult,
 )
+from afd_ray.bench.slo import slo_result
 from afd_ray.bench.transport import run as run_transport_microbench
 from afd_ray.config import (
     AFDConfig,
@@ -54,7 +55,7 @@ from afd_ray.models.shapes import SHAPES, build_shape
 from afd_ray.models.tiny import build_tiny
 from afd_ray.serve.app import build_app
 
-__all__ = ["machine", "run_benchmark"]
+__all__ = ["app_name", "machine", "run_benchmark"]
 
 SERVED_NAME = "tiny"
 _SETTLE_POLL_S = 0.5
@@ -184,6 +185,11 @@ def _ffn_rank(
     )
 
 
+def app_name(family: str, topology: Topology) -> str:
+    """The Serve application (and route prefix, with a leading `/`) of one run."""
+    return f"bench-{family}-{topology.label}".lower().replace("_", "-")
+
+
 def _split(before: FFNMember, after: FFNMember) -> StepSplitResult | None:
     """The step split of one FFN rank over the load (deltas of its `split_*` counters);
     None when no step of the load was timed."""
@@ -223,7 +229,7 @@ def _run_one(
 ) -> list[RunResult]:
     """Deploy `topology`, measure one load per `cfg.concurrency` value, delete it."""
     app_cfg = _app_config(cfg, family, checkpoint, topology)
-    name = f"bench-{family}-{topology.label}".lower().replace("_", "-")
+    name = app_name(family, topology)
     route = f"/{name}"
     app = build_plain_app(app_cfg) if topology.ffn == 0 else build_app(app_cfg.model_dump())
     prompts = _prompts(cfg, checkpoint, max(cfg.concurrency))
@@ -285,6 +291,16 @@ def _run_one(
             if ffn
             else None,
             formula_bytes_per_step=sum(r.formula_bytes_per_step for r in ffn) if ffn else None,
+            slo=slo_result(
+                [r.ttft_s for r in requests],
+                [r.tpot_s for r in requests],
+                result.wall_s,
+                output_tokens,
+                topology.attention + topology.ffn,
+                cfg.slo_ttft_ms,
+                cfg.slo_tpot_ms,
+                cfg.price_per_device_hour,
+            ),
         ))
     return runs
 

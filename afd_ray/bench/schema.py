@@ -12,15 +12,17 @@ from collections.abc import Sequence
 from pydantic import BaseModel, ConfigDict
 
 from afd_ray.bench.config import BenchConfig, Topology
+from afd_ray.bench.slo import SLOResult
 
 __all__ = [
     "SCHEMA_VERSION", "BenchResult", "FFNRankResult", "Latency", "Machine", "RunResult", "StepSplitResult",
     "TransportResult",
 ]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """Bumped whenever a field changes meaning or is removed (2: `config.concurrency` is
-a tuple, one run per value, `RunResult.concurrency`; `Machine.gpu`)."""
+a tuple, one run per value, `RunResult.concurrency`; `Machine.gpu`; 3: `RunResult.slo`,
+required)."""
 
 
 class _Record(BaseModel):
@@ -160,6 +162,8 @@ class RunResult(_Record):
     """A2F + F2A bytes per step summed over FFN ranks; None for plain vLLM."""
     formula_bytes_per_step: float | None
     """`formula_bytes_per_step` summed over FFN ranks; None for plain vLLM."""
+    slo: SLOResult
+    """SLO-goodput and cost per 1M output tokens, for the config's SLOs and price."""
 
 
 class TransportResult(_Record):

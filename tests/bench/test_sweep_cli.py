@@ -1,0 +1,59 @@
+"""The sweep's layout spec, its bad inputs, and SLO-goodput/cost arithmetic (no cluster)."""
+
+from __future__ import annotations
+
+import pytest
+
+from afd_ray.bench.progress import PREFIX, parse_progress
+from afd_ray.bench.slo import slo_result
+from afd_ray.bench.sweep import layouts_from_ranges, main, parse_range
+
+
+def test_ranges_and_lists() -> None:
+    assert parse_range("--attention", "2") == (2,)
+    assert parse_range("--attention", "1-3") == (1, 2, 3)
+    assert parse_range("--ffn", "1,4") == (1, 4)
+    assert [t.label for t in layouts_from_ranges("1-2", "1-2")] == ["1A1F", "1A2F", "2A1F", "2A2F"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "field"),
+    [
+        (["--attention", "0-2", "--ffn", "1"], "--attention"),
+        (["--attention", "1", "--ffn", "x"], "--ffn"),
+        (["--attention", "1-2"], "--attention and --ffn"),
+        (["--attention", "1", "--ffn", "1", "--topologies", "1A1F"], "--topologies"),
+        ([], "--topologies"),
+        (["--topologies", "1A0F"], "topologies"),
+        (["--topologies", "1A1F", "--slo-tpot-ms", "0"], "slo_tpot_ms"),
+        (["--topologies", "1A1F", "--slo-ttft-ms", "-5"], "slo_ttft_ms"),
+        (["--topologies", "1A1F", "--price-per-device-hour", "0"], "price_per_device_hour"),
+        (["--topologies", "1A1F", "--concurrency", "1", "2"], "--concurrency"),
+    ],
+)
+def test_bad_sweep_spec_exits_2_naming_the_field(
+    argv: list[str], field: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert field in capsys.readouterr().err
+
+
+def test_goodput_counts_requests_meeting_both_slos_and_cost_scales_with_devices() -> None:
+    # request 0 meets both; 1 misses TTFT; 2 misses TPOT; 3 is exactly on both targets
+    ttft = [0.5, 3.0, 0.5, 2.0]
+    tpot = [0.05, 0.05, 0.2, 0.1]
+    result = slo_result(ttft, tpot, wall_s=10.0, output_tokens=1000, devices=3,
+                        slo_ttft_ms=2000, slo_tpot_ms=100, price_per_device_hour=3.6)
+    assert result.requests_met == 2 and result.met_fraction == 0.5
+    assert result.goodput_rps == pytest.approx(0.2)
+    # 3 devices x 3.6/h x 10 s = 0.03 for 1000 tokens -> 30 per 1M
+    assert result.cost_per_1m_output_tokens == pytest.approx(30.0)
+    with pytest.raises(ValueError, match="ttft_s"):
+        slo_result([0.1], [], 1.0, 1, 1, 1, 1, 1)
+
+
+def test_progress_lines_parse_out_of_a_log() -> None:
+    log = f"noise\n{PREFIX}{{\"event\": \"start\", \"total\": 2}}\nmore noise\n{PREFIX}{{\"event\": \"done\"}}\n"
+    assert [e["event"] for e in parse_progress(log)] == ["start", "done"]
