@@ -5,6 +5,7 @@
     afd-ray scale --attention A --ffn F [--url URL]    # resize a running deployment
     afd-ray autoscale simulate --policy P.yaml (--trace T.jsonl | --ramp) [--out S.json] [--plot OUT.png]
     afd-ray autoscale record --url URL --out T.jsonl [--interval-s S] [--duration-s S]
+    afd-ray autoscale apply --policy P.yaml [--url URL]  # reload the policy of a running app
     afd-ray profile (--model SRC | --tiny FAMILY) --out P.json  # colocated step split
     afd-ray plan --profile P.json --slo-tpot-ms MS --devices N  # which A:F ratio to run
     afd-ray trace REQUEST_ID [--url URL] [--json]      # per-token breakdown across the pools
@@ -124,6 +125,23 @@ def _autoscale_record(args: argparse.Namespace) -> None:
     print(f"{lines} snapshots -> {args.out}")
 
 
+def _autoscale_apply(args: argparse.Namespace) -> None:
+    import httpx
+
+    from afd_ray.autoscale.policy import load_policy
+
+    load_policy(args.policy)  # a bad field is reported here, before anything is sent
+    try:
+        response = httpx.post(
+            f"{args.url.rstrip('/')}/afd/autoscale/policy", content=args.policy.read_bytes(), timeout=60
+        )
+    except httpx.HTTPError as e:
+        raise OSError(f"{args.url}: {e}") from e
+    if response.status_code != 200:
+        raise ValueError(f"{response.status_code}: {response.text}")
+    print(response.text)
+
+
 def _add_autoscale(subparsers: argparse._SubParsersAction) -> None:
     autoscale = subparsers.add_parser(
         "autoscale", help="tune the A:F autoscaling policy offline"
@@ -198,6 +216,15 @@ def _add_autoscale(subparsers: argparse._SubParsersAction) -> None:
         "--duration-s", type=_positive_s, required=True, help="how long to record, s"
     )
     record.set_defaults(handler=_autoscale_record)
+
+    apply = sub.add_parser(
+        "apply",
+        help="reload the autoscaling policy of a running application (POST /afd/autoscale/policy); "
+        "validated first, a bad field is named; starts the autoscaler if the deployment had none",
+    )
+    apply.add_argument("--policy", type=Path, required=True, help="policy YAML to apply")
+    apply.add_argument("--url", default="http://127.0.0.1:8000", help="application URL (default: %(default)s)")
+    apply.set_defaults(handler=_autoscale_apply)
 
 
 def _positive_s(text: str) -> float:

@@ -287,6 +287,15 @@ class Coordinator:
             self._paused = True
         return await self._resizer.scale(request, reason)
 
+    async def set_policy(self, policy: AutoscalePolicy) -> None:
+        """Evaluate `policy` (already validated) from the next evaluation on; start the
+        autoscaler if the deployment ran without one. A pause stays until resumed."""
+        started = self._policy is not None
+        self._policy = policy
+        if not started:
+            self._tasks.append(asyncio.create_task(self._autoscaler()))
+        logger.info("autoscaling policy replaced%s", "" if started else "; autoscaler started")
+
     async def resume_autoscaler(self) -> None:
         """Let the autoscaler change the pool sizes again after a manual resize."""
         self._paused = False

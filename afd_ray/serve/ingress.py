@@ -32,6 +32,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from afd_ray.attention.server import ChatChunk, CompletionChunk
+from afd_ray.autoscale.policy import PolicyError, parse_policy
 from afd_ray.compat import (
     VLLM_REQUEST_ERRORS,
     ErrorInfo,
@@ -563,6 +564,35 @@ class Ingress:
         event = await self._coordinator.scale.remote(scale)
         status = HTTPStatus.OK if event.error is None else HTTPStatus.GATEWAY_TIMEOUT
         return JSONResponse(event.model_dump(mode="json"), status_code=status)
+
+    @app.post("/afd/autoscale/policy", response_model=None)
+    async def afd_autoscale_policy(self, request: Request) -> Response:
+        """Replace the running autoscaling policy with the body, a policy YAML (or
+        JSON) document (`afd_ray.autoscale.policy.AutoscalePolicy`). It is validated
+        first: a bad document is a 400 naming the field (`param`, and the message)
+        and the running policy stays. A deployment started without an autoscaler
+        (`autoscale.enabled: false`) runs one from then on; a pause by a manual resize
+        stays. Answers the policy now in force, `autoscale_enabled` and
+        `autoscale_paused`."""
+        try:
+            policy = parse_policy((await request.body()).decode(errors="replace"), "body")
+        except PolicyError as exc:
+            error = ErrorInfo(
+                message=str(exc),
+                type="BadRequestError",
+                param=exc.fields[0] if exc.fields else "body",
+                code=HTTPStatus.BAD_REQUEST,
+            )
+            return _error_response(ErrorResponse(error=error))
+        await self._coordinator.set_policy.remote(policy)
+        status = await self._coordinator.status.remote()
+        return JSONResponse(
+            {
+                "policy": policy.model_dump(mode="json"),
+                "autoscale_enabled": status.autoscale_enabled,
+                "autoscale_paused": status.autoscale_paused,
+            }
+        )
 
     @app.post("/afd/autoscale/resume", response_model=None)
     async def afd_autoscale_resume(self, request: Request) -> Response:

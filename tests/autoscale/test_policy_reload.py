@@ -1,4 +1,9 @@
-"""Policy documents as text (`parse_policy`): the bad field is named (no cluster)."""
+"""Reloading the autoscaling policy: validation before anything is applied (no cluster).
+
+The live route (`POST /afd/autoscale/policy`: a good policy applied, a bad one a 400
+naming the field) runs in `examples/03_autoscale_tuning.ipynb`, executed by
+tests/examples/test_notebooks.py.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from afd_ray.autoscale.policy import PolicyError, load_policy, parse_policy
+from afd_ray.cli import main
 
 SHIPPED = Path(__file__).parents[2] / "deployments" / "autoscale.yaml"
 
@@ -36,3 +42,12 @@ def test_text_that_is_not_yaml_names_no_field() -> None:
         parse_policy("attention: [", "body")
     assert info.value.fields == ()
 
+
+def test_cli_apply_rejects_a_bad_file_before_sending(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("ffn:\n  step: 0\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["autoscale", "apply", "--policy", str(bad), "--url", "http://127.0.0.1:9"])
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert "ffn.step" in err and "127.0.0.1:9" not in err  # validated locally, nothing sent

@@ -1,0 +1,156 @@
+"""The example notebooks, top to bottom, against a real cluster serving a tiny MoE app;
+then `afd-ray profile` and `afd-ray plan` on the same model, checked against the sweep
+that notebook 02 measured.
+
+The session cluster runs its dashboard, so notebook 02's `JobSubmissionClient` talks to
+the real Jobs API, and the job's `python` is the project's (the cluster was started with
+this interpreter's bin folder first on PATH, as `make serve` does). Each notebook runs in
+its own Jupyter kernel (nbclient); its `parameters` cell is followed by an injected cell
+that points it at this session's URLs (papermill's convention). The cells assert on what
+they get; a failing cell fails the test with the cell's traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+from ray import serve
+from ray.job_submission import JobSubmissionClient
+
+from afd_ray.bench import BenchResult
+from afd_ray.config import AFDConfig, AttentionPoolConfig, FFNPoolConfig, ModelConfig
+from afd_ray.models.tiny import build_tiny
+from afd_ray.plan.model import Layout, PerformanceModel
+from afd_ray.plan.profile import load_profile
+from afd_ray.serve.app import build_app
+
+EXAMPLES = Path(__file__).parents[2] / "examples"
+APP = "notebooks"
+SWEEP_LAYOUTS = ("1A1F", "2A1F", "1A2F", "2A2F")
+CONCURRENCY, MAX_TOKENS, PROMPT = 4, 32, "The quick brown fox jumps over the lazy dog, again and again and again."
+REGRET_BOUND = 0.25
+"""The planner's best layout, as measured, may be at most this far below the measured
+best layout's tok/s (it may pick a different layout only if they are that close)."""
+
+
+def _run(name: str, parameters: dict[str, object], cwd: Path) -> nbformat.NotebookNode:
+    book = nbformat.read(EXAMPLES / f"{name}.ipynb", as_version=4)
+    (index,) = [i for i, cell in enumerate(book.cells) if "parameters" in cell.metadata.get("tags", [])]
+    injected = "\n".join(f"{key} = {value!r}" for key, value in parameters.items())
+    book.cells.insert(index + 1, nbformat.v4.new_code_cell(injected, metadata={"tags": ["injected-parameters"]}))
+    NotebookClient(book, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}).execute()
+    return book
+
+
+def _wait_for_jobs_api(dashboard: str) -> None:
+    """Until the dashboard's job agent takes submissions; the probe job checks that a
+    job's `python` imports the project (the `No module named 'ray'` trap of issue 17)."""
+    client = JobSubmissionClient(dashboard)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            job = client.submit_job(entrypoint="python -c 'import afd_ray.bench.sweep'")
+            break
+        except RuntimeError as e:  # "No available agent to submit job" while it starts
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{dashboard}: Jobs API not ready after 120 s") from e
+            time.sleep(2)
+    while not client.get_job_status(job).is_terminal():
+        time.sleep(1)
+    assert client.get_job_status(job).value == "SUCCEEDED", client.get_job_logs(job)
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny("qwen3_moe", tmp_path_factory.mktemp("tiny") / "qwen3_moe-seed0")
+
+
+@pytest.fixture(scope="module")
+def app_url(serve_url: str, tiny_moe: Path) -> Iterator[str]:
+    """A tiny Qwen3-MoE app, 1A:1F, at `/notebooks` on the session's Serve instance."""
+    cfg = AFDConfig(
+        model=ModelConfig(source=str(tiny_moe), served_name="tiny-moe", max_model_len=512),
+        attention=AttentionPoolConfig(bundle_resources=0.5, kv_cache_gib=0.25, max_num_seqs=8),
+        ffn=FFNPoolConfig(bundle_resources=0.5),
+    )
+    serve.run(build_app(cfg.model_dump()), name=APP, route_prefix=f"/{APP}")
+    yield f"{serve_url}/{APP}"
+    serve.delete(APP)
+
+
+@pytest.fixture(scope="module")
+def sweep_json(app_url: str, ray_dashboard: str, tiny_moe: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Runs the three notebooks in order; returns notebook 02's sweep result."""
+    out = tmp_path_factory.mktemp("notebooks")
+    _wait_for_jobs_api(ray_dashboard)
+    _run("01_quickstart", {"APP_URL": app_url}, EXAMPLES)
+    sweep = out / "sweep.json"
+    _run(
+        "02_af_sweep",
+        {
+            "DASHBOARD_URL": ray_dashboard,
+            "LAYOUTS": " ".join(SWEEP_LAYOUTS),
+            "LOAD": f"--concurrency {CONCURRENCY} --requests-per-stream 3 --max-tokens {MAX_TOKENS} "
+            f"--checkpoints {tiny_moe.parent}",
+            "OUT": str(sweep),
+        },
+        EXAMPLES,
+    )
+    _run("03_autoscale_tuning", {"APP_URL": app_url, "RECORD_S": 8, "OUT_DIR": str(out / "tuning")}, EXAMPLES)
+    assert (out / "tuning" / "shipped.png").stat().st_size > 0 and (out / "tuning" / "eager.png").stat().st_size > 0
+    return sweep
+
+
+def test_notebooks_run_top_to_bottom(sweep_json: Path) -> None:
+    result = BenchResult.model_validate_json(sweep_json.read_text())
+    assert [run.label for run in result.runs] == list(SWEEP_LAYOUTS)
+    assert sweep_json.with_suffix(".png").stat().st_size > 0
+
+
+def _cli(*args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "afd_ray.cli", *args], capture_output=True, text=True, timeout=600, env=os.environ
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_profile_and_plan_agree_with_the_measured_sweep(sweep_json: Path, tiny_moe: Path, tmp_path: Path) -> None:
+    profile_path = tmp_path / "profile.json"
+    print(_cli("profile", "--model", str(tiny_moe), "--batches", "1", "2", "4", "--prompt-tokens", "16", "64",
+               "--out", str(profile_path)))
+    print(_cli("plan", "--profile", str(profile_path), "--slo-tpot-ms", "200", "--devices", "4",
+               "--host-cores", str(len(os.sched_getaffinity(0))), "--top", "5"))
+    profile = load_profile(profile_path)
+    assert {p.batch for p in profile.points} == {1, 2, 4} and len(profile.verdicts) == 6
+    assert all(p.attention_ms > 0 and p.ffn_ms > 0 and p.step_ms > p.attention_ms + p.ffn_ms for p in profile.points)
+
+    result = BenchResult.model_validate_json(sweep_json.read_text())
+    model = PerformanceModel(profile, host_cores=len(os.sched_getaffinity(0)))
+    context = result.runs[0].prompt_tokens + MAX_TOKENS / 2
+    measured = {run.label: run.output_tokens_per_s for run in result.runs}
+    predicted = {
+        run.label: model.estimate(
+            Layout(run.topology.attention, run.topology.ffn, CONCURRENCY // run.topology.attention),
+            context, 1e9, MAX_TOKENS, 1.0,
+        ).tokens_per_s
+        for run in result.runs
+    }
+    errors = {label: predicted[label] / measured[label] - 1 for label in measured}
+    print(json.dumps({"measured_tok_s": measured, "predicted_tok_s": predicted, "relative_error": errors}, indent=1))
+    best_measured = max(measured, key=measured.get)
+    best_predicted = max(predicted, key=predicted.get)
+    regret = 1 - measured[best_predicted] / measured[best_measured]
+    assert regret <= REGRET_BOUND, (
+        f"planner picks {best_predicted}, the sweep measured {best_measured} best; "
+        f"{best_predicted} is {regret:.0%} slower (bound {REGRET_BOUND:.0%})"
+    )
