@@ -21,6 +21,7 @@ import torch, transformers and vLLM themselves, so `--help` stays fast.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -238,14 +239,38 @@ def _positive_s(text: str) -> float:
 def _scale(args: argparse.Namespace) -> None:
     import httpx
 
+    url = args.url.rstrip("/")
     body = {"attention": args.attention, "ffn": args.ffn}
-    try:
-        response = httpx.post(f"{args.url.rstrip('/')}/afd/scale", json=body, timeout=args.timeout)
-    except httpx.HTTPError as e:
-        raise OSError(f"{args.url}: {e}") from e
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(httpx.post, f"{url}/afd/scale", json=body, timeout=args.timeout)
+        _follow_resize(url, answer, args.attention + args.ffn)
+        try:
+            response = answer.result()
+        except httpx.HTTPError as e:
+            raise OSError(f"{args.url}: {e}") from e
     if response.status_code != 200:
         raise ValueError(f"{response.status_code}: {response.text}")
     print(response.text)
+
+
+def _follow_resize(url: str, answer: concurrent.futures.Future, target: int, poll_s: float = 1.0) -> None:
+    """A tqdm bar of the ready members of both pools (out of `target`) until the
+    resize `answer` (a future of the POST) is done; reads `/afd/status` each `poll_s`."""
+    import httpx
+    from tqdm import tqdm
+
+    with tqdm(total=target, unit="rank", desc="resize", disable=None) as bar, httpx.Client(timeout=10) as http:
+        while not answer.done():
+            try:
+                status = http.get(f"{url}/afd/status").raise_for_status().json()
+            except httpx.HTTPError:
+                status = None  # the POST reports the error; the bar only shows progress
+            if status is not None:
+                ready = sum(m["state"] == "ready" for pool in ("attention", "ffn") for m in status[pool])
+                bar.n = min(ready, target)
+                bar.set_postfix_str(f"epoch {status['epoch']}")
+                bar.refresh()
+            concurrent.futures.wait([answer], timeout=poll_s)
 
 
 def _add_scale(subparsers: argparse._SubParsersAction) -> None:

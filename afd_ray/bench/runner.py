@@ -25,6 +25,7 @@ import ray
 import torch
 import vllm
 from ray import serve
+from tqdm import tqdm
 
 from afd_ray.bench.config import BenchConfig, Topology
 from afd_ray.bench.load import LoadResult, run_load
@@ -323,16 +324,20 @@ def run_benchmark(cfg: BenchConfig, base_url: str, progress: Callable[[str], Non
         progress("afd_ray.bench: transport round trips ...")
         transport = TransportResult.model_validate(run_transport_microbench())
     runs = []
-    for family in cfg.families:
-        checkpoint = _checkpoint(cfg, family)
-        for topology in cfg.topologies:
-            progress(f"afd_ray.bench: {family} {topology.label} ...")
-            for run in _run_one(cfg, family, checkpoint, topology, base_url):
-                progress(
-                    f"afd_ray.bench: {family} {topology.label} batch {run.concurrency}: "
-                    f"{run.output_tokens_per_s:.1f} output tok/s, TPOT {run.tpot.mean_ms:.2f} ms"
-                )
-                runs.append(run)
+    cases = len(cfg.families) * len(cfg.topologies)
+    # A bar on a terminal only (tqdm's disable=None), and only for more than one layout.
+    with tqdm(total=cases, unit="layout", desc="afd_ray.bench", disable=None if cases > 1 else True) as bar:
+        for family in cfg.families:
+            checkpoint = _checkpoint(cfg, family)
+            for topology in cfg.topologies:
+                progress(f"afd_ray.bench: {family} {topology.label} ...")
+                for run in _run_one(cfg, family, checkpoint, topology, base_url):
+                    progress(
+                        f"afd_ray.bench: {family} {topology.label} batch {run.concurrency}: "
+                        f"{run.output_tokens_per_s:.1f} output tok/s, TPOT {run.tpot.mean_ms:.2f} ms"
+                    )
+                    runs.append(run)
+                bar.update(1)
     return BenchResult(
         created=datetime.now(UTC).isoformat(timespec="seconds"), machine=machine(), config=cfg, runs=runs,
         transport=transport,

@@ -26,6 +26,7 @@ from types import MappingProxyType
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, MixtralConfig
 
 from afd_ray.config import ModelConfig
@@ -147,7 +148,7 @@ def upcycle_to_mixtral(source: Path, out: Path, num_experts: int, top_k: int, se
     tensors: dict[str, torch.Tensor] = {}
     for path in sorted(source.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
+            for name in tqdm(f.keys(), desc=f"upcycle {path.name}", unit="tensor", disable=None):
                 match = _DENSE_MLP.match(name)
                 if match is None:
                     tensors[name] = f.get_tensor(name)

@@ -118,7 +118,7 @@ def test_notebooks_run_top_to_bottom(sweep_json: Path) -> None:
 
 def _cli(*args: str) -> str:
     done = subprocess.run(
-        [sys.executable, "-m", "afd_ray.cli", *args], capture_output=True, text=True, timeout=600, env=os.environ
+        [sys.executable, "-c", "from afd_ray.cli import main; raise SystemExit(main())", *args], capture_output=True, text=True, timeout=600, env=os.environ
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
