@@ -36,6 +36,8 @@ import functools
 import json
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +54,7 @@ __all__ = [
     "ErrorResponse",
     "ModelList",
     "allow_symm_mem_shared_device",
+    "any_dashboard_agent_port",
     "apply_vllm_workarounds",
     "attention_backend",
     "clean_loc_for_param",
@@ -319,3 +322,30 @@ def attention_backend(checkpoint: Path, dtype: str) -> str | None:
 def apply_vllm_workarounds() -> None:
     """Apply every vLLM workaround that matches the installed version (idempotent)."""
     patch_cpu_rope_3d_query()
+
+
+@contextmanager
+def any_dashboard_agent_port() -> Iterator[None]:
+    """Within the block, a local cluster that `ray.init(address="local")` starts runs its
+    dashboard agent on a free port instead of the fixed 52365.
+
+    Bug (Ray 2.60): `ray.init` has no `dashboard_agent_listen_port` parameter (only `ray
+    start --dashboard-agent-listen-port` has), so every local cluster's agent binds
+    52365. A second cluster on the same machine (parallel test sessions) then starts an
+    agent without its HTTP server, and its Jobs API answers "No available agent to
+    submit job" forever. The agent supports port 0 (it binds a free port and reports
+    the one it got); this sets that default of `RayParams` for the block.
+
+    Applies to: ray 2.60.x (`ray.init` builds a `ray._private.parameter.RayParams`).
+    Remove when: `ray.init` takes the agent's port, or the pinned Ray moves past 2.60.x
+    and tests/examples/test_notebooks.py passes next to another running cluster
+    without it.
+    """
+    from ray._private.parameter import RayParams
+
+    original = RayParams.__init__
+    RayParams.__init__ = functools.partialmethod(original, dashboard_agent_listen_port=0)
+    try:
+        yield
+    finally:
+        RayParams.__init__ = original

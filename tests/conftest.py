@@ -14,6 +14,7 @@ import ray
 import yaml
 from ray import serve
 
+from afd_ray.compat import any_dashboard_agent_port
 from afd_ray.serve.app import build_app
 
 YAML = Path(__file__).parents[1] / "deployments" / "afd.yaml"
@@ -86,9 +87,14 @@ def ray_cluster(request: pytest.FixtureRequest) -> Iterator[None]:
             port = _free_port()
             request.config.stash[_DASHBOARD] = f"http://127.0.0.1:{port}"
             env.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
-            ray.init(
-                address="local", include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=port, num_cpus=8
-            )
+            with any_dashboard_agent_port():
+                ray.init(
+                    address="local",
+                    include_dashboard=True,
+                    dashboard_host="127.0.0.1",
+                    dashboard_port=port,
+                    num_cpus=8,
+                )
         yield
         ray.shutdown()
 

@@ -27,6 +27,7 @@ from ray import serve
 from ray.job_submission import JobSubmissionClient
 
 from afd_ray.bench import BenchResult
+from afd_ray.bench.progress import parse_progress
 from afd_ray.config import AFDConfig, AttentionPoolConfig, FFNPoolConfig, ModelConfig
 from afd_ray.models.tiny import build_tiny
 from afd_ray.plan.model import Layout, PerformanceModel
@@ -154,3 +155,32 @@ def test_profile_and_plan_agree_with_the_measured_sweep(sweep_json: Path, tiny_m
         f"planner picks {best_predicted}, the sweep measured {best_measured} best; "
         f"{best_predicted} is {regret:.0%} slower (bound {REGRET_BOUND:.0%})"
     )
+
+
+def test_a_stopped_sweep_job_deletes_the_layout_it_deployed(
+    serve_url: str, ray_dashboard: str, tiny_moe: Path, tmp_path: Path
+) -> None:
+    """`JobSubmissionClient.stop_job` (SIGTERM) while the sweep deploys its first
+    layout: the job ends STOPPED, says `cancelled`, and Serve deletes the application."""
+    client = JobSubmissionClient(ray_dashboard)
+    app = "bench-qwen3-moe-1a1f"
+    job = client.submit_job(
+        entrypoint=f"python -m afd_ray.bench sweep --topologies 1A1F --checkpoints {tiny_moe.parent} "
+        f"--out {tmp_path / 'cancelled.json'}"
+    )
+    deadline = time.monotonic() + 300
+    while app not in serve.status().applications:
+        assert not client.get_job_status(job).is_terminal(), client.get_job_logs(job)[-3000:]
+        assert time.monotonic() < deadline, "the sweep never deployed its layout"
+        time.sleep(0.5)
+    client.stop_job(job)
+    while not client.get_job_status(job).is_terminal():
+        time.sleep(0.5)
+    assert client.get_job_status(job).value == "STOPPED"
+    events = [event["event"] for event in parse_progress(client.get_job_logs(job))]
+    assert events[-1] == "cancelled", events
+    deadline = time.monotonic() + 120
+    while app in serve.status().applications:
+        assert time.monotonic() < deadline, f"{app} still deployed 120 s after the job stopped"
+        time.sleep(1)
+    assert not (tmp_path / "cancelled.json").exists()
