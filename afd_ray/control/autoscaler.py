@@ -43,7 +43,8 @@ class Autoscaler:
         paused: Callable[[], bool],
         published: CoordinatorPublisher | None = None,
     ) -> None:
-        self._policy = policy
+        self.policy = policy
+        """Evaluated from the next evaluation on; replaced by `POST /afd/autoscale/policy`."""
         self._interval_s = interval_s
         self._attention, self._ffn = attention, ffn
         self._resizer = resizer
@@ -60,7 +61,7 @@ class Autoscaler:
             if self._paused() or self._resizer.busy:
                 continue
             state = state.follow(targets[ATTENTION_DEPLOYMENT], targets[FFN_DEPLOYMENT], time.time())
-            decision = decide(await self._metrics(), state, self._policy)
+            decision = decide(await self._metrics(), state, self.policy)
             if self._published is not None:
                 self._published.decision(
                     ATTENTION_DEPLOYMENT, state.attention.target, decision.attention_target, decision.attention_cause

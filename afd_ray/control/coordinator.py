@@ -18,6 +18,7 @@ its own; the parts are:
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from dataclasses import asdict
@@ -109,12 +110,17 @@ class Coordinator:
         self._joining: dict[str, float] = {}
         """Attention replicas waiting in `assign_attention`: Serve replica id ->
         monotonic time the wait began."""
-        self._autoscaler = (
-            Autoscaler(policy, autoscale.interval_s, attention, ffn, self._resizer, self.metrics, lambda: self._paused,
-                       self._published)
-            if autoscale.enabled and policy is not None
-            else None
+        self._new_autoscaler = functools.partial(
+            Autoscaler,
+            interval_s=autoscale.interval_s,
+            attention=attention,
+            ffn=ffn,
+            resizer=self._resizer,
+            metrics=self.metrics,
+            paused=lambda: self._paused,
+            published=self._published,
         )
+        self._autoscaler = self._new_autoscaler(policy) if autoscale.enabled and policy is not None else None
         self._tasks = [
             asyncio.create_task(self._resizer.follow_serve_targets()),
             asyncio.create_task(self._resizer.watch_replicas()),
@@ -290,11 +296,13 @@ class Coordinator:
     async def set_policy(self, policy: AutoscalePolicy) -> None:
         """Evaluate `policy` (already validated) from the next evaluation on; start the
         autoscaler if the deployment ran without one. A pause stays until resumed."""
-        started = self._policy is not None
-        self._policy = policy
-        if not started:
-            self._tasks.append(asyncio.create_task(self._autoscaler()))
-        logger.info("autoscaling policy replaced%s", "" if started else "; autoscaler started")
+        if self._autoscaler is not None:
+            self._autoscaler.policy = policy
+            logger.info("autoscaling policy replaced")
+            return
+        self._autoscaler = self._new_autoscaler(policy)
+        self._tasks.append(asyncio.create_task(self._autoscaler.run()))
+        logger.info("autoscaling policy set; autoscaler started")
 
     async def resume_autoscaler(self) -> None:
         """Let the autoscaler change the pool sizes again after a manual resize."""
