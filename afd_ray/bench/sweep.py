@@ -107,12 +107,20 @@ def run_sweep(cfg: BenchConfig, base_url: str) -> BenchResult:
 
     cases = [(family, topology) for family in cfg.families for topology in cfg.topologies]
     emit("start", total=len(cases), layouts=[f"{family} {t.label}" for family, t in cases])
-    runs, last = [], None
+    runs, last, transport = [], None, None
     try:
         for done, (family, topology) in enumerate(tqdm(cases, unit="layout", disable=None, file=sys.stderr)):
             emit("layout_start", done=done, total=len(cases), family=family, layout=topology.label)
-            one = cfg.model_copy(update={"families": (family,), "topologies": (topology,)})
+            first = done == 0  # the transport microbenchmark, if asked for, runs once
+            one = cfg.model_copy(
+                update={
+                    "families": (family,),
+                    "topologies": (topology,),
+                    "transport_microbench": cfg.transport_microbench and first,
+                }
+            )
             last = run_benchmark(one, base_url, progress=lambda _: None)
+            transport = last.transport if first else transport
             (run,) = last.runs
             runs.append(run)
             emit(
@@ -131,7 +139,11 @@ def run_sweep(cfg: BenchConfig, base_url: str) -> BenchResult:
         raise
     assert last is not None  # cases is not empty: BenchConfig needs a family and a layout
     return BenchResult(
-        created=datetime.now(UTC).isoformat(timespec="seconds"), machine=last.machine, config=cfg, runs=runs
+        created=datetime.now(UTC).isoformat(timespec="seconds"),
+        machine=last.machine,
+        config=cfg,
+        runs=runs,
+        transport=transport,
     )
 
 
@@ -199,7 +211,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif "topologies" not in args:
             raise ValueError("--topologies: which layouts to sweep (or --attention and --ffn ranges)")
         smoke_settings = {k: v for k, v in SMOKE.items() if k != "topologies"} if smoke else {}
-        cfg = BenchConfig.model_validate(smoke_settings | args)
+        # The sweep compares layouts; the transport microbenchmark only on request.
+        cfg = BenchConfig.model_validate(smoke_settings | {"transport_microbench": False} | args)
         if len(cfg.concurrency) != 1:
             raise ValueError("--concurrency: the sweep sends one load to every layout; give one value")
     except ValueError as e:
