@@ -91,6 +91,8 @@ def test_bad_profile_files_name_the_field(tmp_path: Path) -> None:
         (["--slo-tpot-ms", "0", "--devices", "4"], 2, "--slo-tpot-ms"),
         (["--slo-tpot-ms", "-3", "--devices", "4"], 2, "--slo-tpot-ms"),
         (["--slo-tpot-ms", "50", "--devices", "1"], 1, "devices"),
+        (["--slo-tpot-ms", "50", "--devices", "4", "--host-cores", "0"], 2, "--host-cores"),
+        (["--slo-tpot-ms", "50", "--devices", "4", "--host-cores", "two"], 2, "--host-cores"),
     ],
 )
 def test_plan_cli_bad_inputs(argv: list[str], code: int, field: str, capsys: pytest.CaptureFixture[str]) -> None:
