@@ -1,8 +1,12 @@
 """`afd-ray profile`: split a colocated decode step into attention, FFN/MoE and
 communication time per batch size, and say whether AFD can pay.
 
-Profiler: PyTorch module forward hooks timed with `time.perf_counter`, on the model
-that plain vLLM (`vllm.LLM`, in this process, eager mode, no AFD) runs. Each decoder
+Profiler: PyTorch module forward hooks timed with `time.process_time` (CPU time of
+this process, all its threads), on the model that plain vLLM (`vllm.LLM`, in this
+process, eager mode, no AFD) runs. CPU time, not wall time: on a machine shared with
+other work, time spent waiting for a core is not the model's cost (the planner's
+`host_cores` term models the sharing). With more than one engine thread the CPU time
+of a step is the sum over its threads. Each decoder
 layer's attention module (`self_attn`) and FFN module (`mlp` / `block_sparse_moe`) get
 a pre- and a post-hook; the model's own pre-hook marks the start of every forward, so
 the time from one decode forward's start to the next is the whole engine step
@@ -67,19 +71,19 @@ class _Hooks:
         self._handles.append(model.register_forward_pre_hook(self._forward))
 
     def _forward(self, module: torch.nn.Module, args: tuple) -> None:
-        self.forwards.append({"start": time.perf_counter(), "attention": 0.0, "ffn": 0.0, "tokens": 0})
+        self.forwards.append({"start": time.process_time(), "attention": 0.0, "ffn": 0.0, "tokens": 0})
 
     def _start(self, role: str):
         def hook(module: torch.nn.Module, args: tuple) -> None:
             if role == "ffn" and self.forwards and not self.forwards[-1]["tokens"]:
                 self.forwards[-1]["tokens"] = args[0].shape[0]
-            self._open[role] = time.perf_counter()
+            self._open[role] = time.process_time()
 
         return hook
 
     def _stop(self, role: str):
         def hook(module: torch.nn.Module, args: tuple, output: object) -> None:
-            self.forwards[-1][role] += time.perf_counter() - self._open.pop(role)
+            self.forwards[-1][role] += time.process_time() - self._open.pop(role)
 
         return hook
 
@@ -161,6 +165,10 @@ def profile_vllm(
     generator = torch.Generator().manual_seed(0)
     points = []
     try:
+        # Warm-up: the first forward of each batch size builds kernels and buffers.
+        for batch in batches:
+            warm = [TokensPrompt(prompt_token_ids=[2] * min(prompt_tokens)) for _ in range(batch)]
+            llm.generate(warm, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), use_tqdm=False)
         for length in prompt_tokens:
             for batch in batches:
                 prompts = [
@@ -177,7 +185,7 @@ def profile_vllm(
     profile = Profile(
         model=str(checkpoint),
         device=f"{_cpu_model()} ({threads} thread{'s' * (threads > 1)})",
-        source="afd-ray profile: vLLM (in-process, eager) + torch forward hooks (time.perf_counter)",
+        source="afd-ray profile: vLLM (in-process, eager) + torch forward hooks (time.process_time)",
         num_layers=layers,
         hidden_size=hidden,
         bytes_per_elem=torch_dtype.itemsize,
