@@ -12,7 +12,6 @@ they get; a failing cell fails the test with the cell's traceback.
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import subprocess
@@ -37,11 +36,11 @@ from afd_ray.serve.app import build_app
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 APP = "notebooks"
-SWEEP_LAYOUTS = ("1A1F", "2A1F", "1A2F", "2A2F")
+SWEEP_LAYOUTS = ("1A1F", "2A1F", "1A2F")
 CONCURRENCY, MAX_TOKENS, PROMPT = 4, 32, "The quick brown fox jumps over the lazy dog, again and again and again."
 REGRET_BOUND = 0.25
 """The planner's best layout, as measured, may be at most this far below the measured
-best layout's tok/s (it may pick a different layout only if they are that close)."""
+best layout's decode tok/s (it may pick a different layout only if they are that close)."""
 
 
 def _run(name: str, parameters: dict[str, object], cwd: Path) -> nbformat.NotebookNode:
@@ -144,7 +143,10 @@ def test_profile_and_plan_agree_with_the_measured_sweep(sweep_json: Path, tiny_m
 
     model = PerformanceModel(profile, host_cores=host_cores)
     context = result.runs[0].prompt_tokens + MAX_TOKENS / 2
-    measured = {run.label: run.output_tokens_per_s for run in result.runs}
+    # The planner predicts decode steady state (TPOT; TTFT is not modelled), so it is
+    # checked against each run's decode rate: CONCURRENCY streams, one token per TPOT
+    # each. The wall rate (output tokens / wall time, prefill included) is shown beside it.
+    measured = {run.label: CONCURRENCY / (run.tpot.mean_ms / 1e3) for run in result.runs}
     predicted = {
         run.label: model.estimate(
             Layout(run.topology.attention, run.topology.ffn, CONCURRENCY // run.topology.attention),
@@ -152,12 +154,16 @@ def test_profile_and_plan_agree_with_the_measured_sweep(sweep_json: Path, tiny_m
         ).tokens_per_s
         for run in result.runs
     }
-    errors = {label: predicted[label] / measured[label] - 1 for label in measured}
-    print(json.dumps({"host_cores": host_cores, "measured_tok_s": measured, "predicted_tok_s": predicted,
-                      "relative_error": errors}, indent=1))
+    print(f"host cores {host_cores:.3f} (usable {usable}, mean 1-min load average {load:.1f})")
+    print(f"{'layout':<8}{'load':>6}{'wall tok/s':>12}{'decode tok/s':>14}{'predicted':>11}{'error':>8}")
+    for run in result.runs:
+        label = run.label
+        print(f"{label:<8}{run.load_average_1m[0]:>6.1f}{run.output_tokens_per_s:>12.1f}{measured[label]:>14.1f}"
+              f"{predicted[label]:>11.1f}{predicted[label] / measured[label] - 1:>+8.0%}")
     best_measured = max(measured, key=measured.get)
     best_predicted = max(predicted, key=predicted.get)
     regret = 1 - measured[best_predicted] / measured[best_measured]
+    print(f"planner: {best_predicted}; measured best: {best_measured}; regret {regret:.0%} (bound {REGRET_BOUND:.0%})")
     assert regret <= REGRET_BOUND, (
         f"planner picks {best_predicted}, the sweep measured {best_measured} best; "
         f"{best_predicted} is {regret:.0%} slower (bound {REGRET_BOUND:.0%})"
@@ -173,7 +179,9 @@ def test_a_stopped_sweep_job_deletes_the_layout_it_deployed(
     app = "bench-qwen3-moe-1a1f"
     job = client.submit_job(
         entrypoint=f"python -m afd_ray.bench sweep --topologies 1A1F --checkpoints {tiny_moe.parent} "
-        f"--out {tmp_path / 'cancelled.json'}"
+        f"--out {tmp_path / 'cancelled.json'}",
+        # Ray's SIGKILL follows SIGTERM after 3 s by default: too short on a busy machine.
+        runtime_env={"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "30"}},
     )
     deadline = time.monotonic() + 300
     while app not in serve.status().applications:
