@@ -13,6 +13,7 @@ import pytest
 import ray
 import yaml
 from ray import serve
+from ray._private import ray_constants
 
 from afd_ray.compat import any_dashboard_agent_port
 from afd_ray.serve.app import build_app
@@ -87,6 +88,9 @@ def ray_cluster(request: pytest.FixtureRequest) -> Iterator[None]:
             port = _free_port()
             request.config.stash[_DASHBOARD] = f"http://127.0.0.1:{port}"
             env.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+            # Ray waits 60 s for the dashboard (RAY_DASHBOARD_STARTUP_TIMEOUT_S, read once at
+            # import); on the busy 2-core machine it took 100 s and `ray.init` failed.
+            env.setattr(ray_constants, "RAY_DASHBOARD_STARTUP_TIMEOUT_S", 600)
             with any_dashboard_agent_port():
                 ray.init(
                     address="local",
