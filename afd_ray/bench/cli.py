@@ -141,7 +141,8 @@ def format_table(result: BenchResult) -> str:
             f"{run.family:<18}{run.label:<10}{run.concurrency:>6}{run.threads:>4}{run.output_tokens_per_s:>9.1f}"
             f"{run.ttft.p50_ms:>10.1f}{run.tpot.mean_ms:>8.1f}{run.itl.p50_ms:>9.1f}{run.itl.p99_ms:>9.1f}"
             f"{tokens:>10}{measured:>10}{formula:>10}{busy:>10}"
-            f"{run.slo.goodput_rps:>10.2f}{run.slo.cost_per_1m_output_tokens:>9.2f}  {split}"
+            + (f"{run.slo.goodput_rps:>10.2f}{run.slo.cost_per_1m_output_tokens:>9.2f}" if run.slo else f"{'-':>10}{'-':>9}")
+            + f"  {split}"
         )
     lines.append(
         "batch: concurrent streams; times in ms (TPOT: mean over requests); tok/step and B/step (A2F+F2A) summed over FFN "

@@ -19,10 +19,9 @@ __all__ = [
     "TransportResult",
 ]
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 2
 """Bumped whenever a field changes meaning or is removed (2: `config.concurrency` is
-a tuple, one run per value, `RunResult.concurrency`; `Machine.gpu`; 3: `RunResult.slo`,
-required)."""
+a tuple, one run per value, `RunResult.concurrency`; `Machine.gpu`)."""
 
 
 class _Record(BaseModel):
@@ -162,8 +161,10 @@ class RunResult(_Record):
     """A2F + F2A bytes per step summed over FFN ranks; None for plain vLLM."""
     formula_bytes_per_step: float | None
     """`formula_bytes_per_step` summed over FFN ranks; None for plain vLLM."""
-    slo: SLOResult
-    """SLO-goodput and cost per 1M output tokens, for the config's SLOs and price."""
+    slo: SLOResult | None = None
+    """SLO-goodput and cost per 1M output tokens, for the config's SLOs and price;
+    None in results written before it was recorded (e.g. benchmarks/results/ of
+    2026-12-01), which still load."""
 
 
 class TransportResult(_Record):

@@ -149,7 +149,15 @@ def run_sweep(cfg: BenchConfig, base_url: str) -> BenchResult:
 
 def plot_sweep(result: BenchResult, path: Path) -> Path:
     """A PNG of tok/s, TPOT p90, TTFT p90, SLO-goodput and cost per 1M output tokens
-    against the layout (one bar group per family); returns `path`."""
+    against the layout (one bar group per family); returns `path`.
+
+    Raises:
+        ValueError: a run has no SLO figures (`RunResult.slo` is None: a result written
+            before they were recorded); names the runs.
+    """
+    missing = [f"{run.family} {run.label}" for run in result.runs if run.slo is None]
+    if missing:
+        raise ValueError(f"runs[].slo: {missing} have no SLO-goodput/cost figures to plot")
     import matplotlib
 
     matplotlib.use("Agg")

@@ -1,12 +1,20 @@
-"""The sweep's layout spec, its bad inputs, and SLO-goodput/cost arithmetic (no cluster)."""
+"""The sweep's layout spec, its bad inputs, SLO-goodput/cost arithmetic, and results
+written before SLO figures were recorded (no cluster)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from afd_ray.bench.cli import format_table
 from afd_ray.bench.progress import PREFIX, parse_progress
+from afd_ray.bench.schema import BenchResult
 from afd_ray.bench.slo import slo_result
-from afd_ray.bench.sweep import layouts_from_ranges, main, parse_range
+from afd_ray.bench.sweep import layouts_from_ranges, main, parse_range, plot_sweep
+
+OLD_RESULT = Path(__file__).parents[2] / "benchmarks" / "results" / "h200-2026-12-01-product-dsv2.json"
+"""A committed result written before runs carried SLO-goodput and cost."""
 
 
 def test_ranges_and_lists() -> None:
@@ -57,3 +65,13 @@ def test_goodput_counts_requests_meeting_both_slos_and_cost_scales_with_devices(
 def test_progress_lines_parse_out_of_a_log() -> None:
     log = f"noise\n{PREFIX}{{\"event\": \"start\", \"total\": 2}}\nmore noise\n{PREFIX}{{\"event\": \"done\"}}\n"
     assert [e["event"] for e in parse_progress(log)] == ["start", "done"]
+
+
+def test_a_result_without_slo_figures_loads_and_prints_but_is_not_plotted(tmp_path: Path) -> None:
+    result = BenchResult.model_validate_json(OLD_RESULT.read_text())
+    assert result.runs and all(run.slo is None for run in result.runs)
+    header, _, *rows, _ = format_table(result).splitlines()
+    slo_columns = slice(header.index("FFN busy") + len("FFN busy"), header.index("  split"))
+    assert len(rows) == len(result.runs) and all(row[slo_columns].split() == ["-", "-"] for row in rows)
+    with pytest.raises(ValueError, match=r"runs\[\]\.slo"):
+        plot_sweep(result, tmp_path / "old.png")
