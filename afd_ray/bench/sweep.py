@@ -226,9 +226,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
 
-    signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         with serve_endpoint(cfg, ray_address, serve_url) as url:
+            # After connecting: `ray.init` installs its own SIGTERM handler (`sys.exit(15)`,
+            # Ray 2.60), which would skip the cleanup. Before this nothing is deployed yet.
+            signal.signal(signal.SIGTERM, _raise_interrupt)
             result = run_sweep(cfg, url)
     except KeyboardInterrupt:
         print("afd_ray.bench sweep: cancelled", file=sys.stderr)

@@ -192,8 +192,8 @@ def test_a_stopped_sweep_job_deletes_the_layout_it_deployed(
     while not client.get_job_status(job).is_terminal():
         time.sleep(0.5)
     assert client.get_job_status(job).value == "STOPPED"
-    events = [event["event"] for event in parse_progress(client.get_job_logs(job))]
-    assert events[-1] == "cancelled", events
+    events = parse_progress(client.get_job_logs(job))
+    assert events[-1]["event"] == "cancelled", events
     deadline = time.monotonic() + 120
     while app in serve.status().applications:
         assert time.monotonic() < deadline, f"{app} still deployed 120 s after the job stopped"
