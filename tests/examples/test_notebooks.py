@@ -36,7 +36,10 @@ from afd_ray.serve.app import build_app
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 APP = "notebooks"
-SWEEP_LAYOUTS = ("1A1F", "2A1F", "1A2F")
+SWEEP_LAYOUTS = ("1A1F", "2A1F")
+"""Two layouts keep the module near 8 minutes of CI (three took 11.7 min on the loaded
+2-core machine, about 2.5 min per layout); 2A1F is the one measured furthest from 1A1F
+(its two attention ranks share the cores), 1A2F measured within 5% of 1A1F."""
 CONCURRENCY, MAX_TOKENS, PROMPT = 4, 32, "The quick brown fox jumps over the lazy dog, again and again and again."
 REGRET_BOUND = 0.25
 """The planner's best layout, as measured, may be at most this far below the measured
