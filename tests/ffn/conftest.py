@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from afd_ray.ffn.model import FFNStack, load_ffn_stack
 from afd_ray.models.tiny import build_tiny, tiny_config
 
 SEED = 0
@@ -72,3 +73,10 @@ def reference_model() -> Callable[[Path, torch.dtype], PreTrainedModel]:
         return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, experts_implementation="eager").eval()
 
     return load
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> FFNStack:
+    """The tiny Llama's FFN stack, float32 on CPU, once per module."""
+    checkpoint = build_tiny("llama", tmp_path_factory.mktemp("tiny") / "llama")
+    return load_ffn_stack(Path(checkpoint), torch.float32, torch.device("cpu"))

@@ -25,11 +25,6 @@ from afd_ray.models.tiny import build_tiny
 WINDOW_S = 0.05
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> FFNStack:
-    checkpoint = build_tiny("llama", tmp_path_factory.mktemp("tiny") / "llama")
-    return load_ffn_stack(Path(checkpoint), torch.float32, torch.device("cpu"))
-
 
 @pytest.fixture
 def runtime(stack: FFNStack, request: pytest.FixtureRequest):

@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
 from afd_ray.connector.channel import AttentionChannel, FFNChannel
-from afd_ray.ffn.model import FFNStack, load_ffn_stack
+from afd_ray.ffn.model import FFNStack
 from afd_ray.ffn.runtime import FFNRuntime
-from afd_ray.models.tiny import build_tiny
 from afd_ray.observability.stats import FFNStats
 from afd_ray.observability.timeline import IDLE_GAP_S
 
@@ -28,11 +26,6 @@ LAYER_GAP_S = 0.02
 STEP_GAP_S = 0.03
 STEPS = 10
 
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> FFNStack:
-    checkpoint = build_tiny("llama", tmp_path_factory.mktemp("tiny") / "llama")
-    return load_ffn_stack(Path(checkpoint), torch.float32, torch.device("cpu"))
 
 
 @pytest.fixture
