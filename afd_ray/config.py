@@ -175,6 +175,14 @@ class FFNPoolConfig(_Section):
     placement: PoolPlacement = PoolPlacement()
     """Ray nodes the FFN ranks may run on (default: any)."""
 
+    ubatches: int = Field(1, ge=1, le=8)
+    """DBO across attention ranks: each FFN rank serves a step's attention peers in up
+    to this many ubatches per layer, one after the other, so that one ubatch's
+    attention (on its own attention ranks) runs while the FFN computes another's: the
+    ping-pong of MegaScale-Infer (arXiv 2504.02263, §4). Takes effect with at least
+    two attention ranks per FFN rank and without EP (with EP a step runs as one
+    ubatch). 1: every peer's rows are computed at once (one weight read per layer)."""
+
     heartbeat_timeout_s: float = Field(30.0, gt=0)
     """An FFN rank that sent no report (every 0.2 s) for this long is dead: the
     coordinator removes it from the layout (a killed replica is found sooner, from

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
-from afd_ray.config import DType
+from afd_ray.config import ConnectorConfig, DType
 from afd_ray.connector.link import TransportChoice
 from afd_ray.models import Family
 from afd_ray.models.shapes import Shape
@@ -22,15 +22,18 @@ Embedded = Literal["smollm2", "smollm2-moe"]
 
 __all__ = ["BenchConfig", "Topology"]
 
-_TOPOLOGY = re.compile(r"(\d+)A(\d+)F(-bare)?", re.IGNORECASE)
+_TOPOLOGY = re.compile(r"(\d+)A(\d+)F(-dbo)?(-bare)?", re.IGNORECASE)
 
 
 class Topology(BaseModel):
     """One serving layout: `plain` (vLLM alone) or `<A>A<F>F` (AFD, EP=F); with the
-    suffix `-bare`, AFD without metrics and step records (`observability.metrics` off,
-    `observability.step_records` 0), to measure their cost in the same run.
+    suffix `-dbo`, each FFN rank serves its attention peers in two ubatches per layer
+    (`ffn.ubatches` 2, DBO across attention ranks); with `-bare`, AFD without metrics
+    and step records (`observability.metrics` off, `observability.step_records` 0), to
+    measure their cost in the same run.
 
-    Parses from its label, so `"plain"`, `"1A1F"`, `"2a2f"` and `"1A1F-bare"` are valid inputs.
+    Parses from its label, so `"plain"`, `"1A1F"`, `"2a2f"`, `"2A1F-dbo"` and
+    `"1A1F-bare"` are valid inputs.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -39,6 +42,8 @@ class Topology(BaseModel):
     """Attention ranks (vLLM engines); 1 for plain vLLM."""
     ffn: int = Field(ge=0)
     """FFN ranks (the EP size); 0 means plain vLLM, with no FFN pool."""
+    ubatches: int = Field(1, ge=1)
+    """`FFNPoolConfig.ubatches`: 2 with `-dbo`."""
     observability: bool = True
     """AFD with metrics and step records (the default), or without (`-bare`)."""
 
@@ -52,14 +57,22 @@ class Topology(BaseModel):
         match = _TOPOLOGY.fullmatch(data)
         if match is None or int(match[2]) == 0:
             raise ValueError(
-                f"topology {data!r}: expected 'plain' or '<A>A<F>F[-bare]' with F >= 1 (e.g. 2A2F, 1A1F-bare)"
+                f"topology {data!r}: expected 'plain' or '<A>A<F>F[-dbo][-bare]' with F >= 1 (e.g. 2A2F, 2A1F-dbo, "
+                "1A1F-bare)"
             )
-        return {"attention": int(match[1]), "ffn": int(match[2]), "observability": match[3] is None}
+        return {
+            "attention": int(match[1]), "ffn": int(match[2]), "ubatches": 2 if match[3] else 1,
+            "observability": match[4] is None,
+        }  # fmt: skip
 
     @property
     def label(self) -> str:
-        """`plain` or `<A>A<F>F`."""
-        return "plain" if self.ffn == 0 else f"{self.attention}A{self.ffn}F" + ("" if self.observability else "-bare")
+        """`plain` or `<A>A<F>F[-dbo][-bare]`."""
+        if self.ffn == 0:
+            return "plain"
+        return f"{self.attention}A{self.ffn}F" + ("-dbo" if self.ubatches > 1 else "") + (
+            "" if self.observability else "-bare"
+        )
 
 
 def _default_checkpoints() -> Path:
@@ -149,6 +162,10 @@ class BenchConfig(BaseModel):
 
     transport: TransportChoice = "auto"
     """`ConnectorConfig.transport` of the AFD runs (`auto`: `shm` on one node)."""
+
+    batch_window_us: int = Field(ConnectorConfig().batch_window_us, ge=0)
+    """`ConnectorConfig.batch_window_us` of the AFD runs: how long an FFN rank waits
+    for its other attention peers' step headers, microseconds."""
 
     transport_microbench: bool = True
     """Also measure the A2F+F2A round trip per layer of every CPU transport

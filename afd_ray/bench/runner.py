@@ -118,10 +118,12 @@ def _app_config(cfg: BenchConfig, family: str, checkpoint: Path, topology: Topol
             num_threads=threads,
             **({"gpu_memory_utilization": memory, "enforce_eager": cfg.enforce_eager} if cuda else {}),
         ),
-        ffn=FFNPoolConfig(num_ranks=topology.ffn, bundle_resources=bundle, num_threads=cfg.ffn_threads)
+        ffn=FFNPoolConfig(
+            num_ranks=topology.ffn, bundle_resources=bundle, num_threads=cfg.ffn_threads, ubatches=topology.ubatches
+        )
         if topology.ffn
         else FFNPoolConfig(),
-        connector=ConnectorConfig(transport=cfg.transport),
+        connector=ConnectorConfig(transport=cfg.transport, batch_window_us=cfg.batch_window_us),
         ingress=IngressConfig(max_ongoing_requests=ongoing),
         observability=ObservabilityConfig()
         if topology.observability

@@ -29,7 +29,7 @@ import torch
 from afd_ray.connector.header import HeaderKind, StepHeader
 from afd_ray.connector.link import FFNLink, PeerLostError
 from afd_ray.ffn.ep import EPGroup
-from afd_ray.ffn.graphs import DEFAULT_BUCKETS, FFNGraphs, graphs_supported
+from afd_ray.ffn.graphs import DEFAULT_BUCKETS, FFNGraphs, StepInputs, graphs_supported
 from afd_ray.ffn.model import FFNStack
 from afd_ray.ffn.moe import MoE
 from afd_ray.observability.stats import FFNStats
@@ -119,6 +119,13 @@ class FFNRuntime:
         step_records: FFN steps kept in `steps` (a ring buffer).
         ep_lost_wait_s: how long a rank whose EP group failed waits for the re-formed
             layout (`prepare_switch`) before its loop ends, seconds.
+        ubatches: DBO across attention ranks: a step's peers are served in up to this
+            many groups (ubatches) per layer, one after the other, so that one group's
+            attention runs while this rank computes another's (`FFNPoolConfig.ubatches`).
+            With EP a step runs as one ubatch.
+
+    Raises:
+        ValueError: `ubatches` < 1.
 
     Timing records: every step appends an `FFNStep` to `steps` (per peer its header
     and batching-window wait; compute, EP collective and F2A send times), read by the
@@ -151,6 +158,7 @@ class FFNRuntime:
         step_records: int = 4096,
         ep_lost_wait_s: float = 120.0,
         idle_poll_s: float | None = None,
+        ubatches: int = 1,
     ) -> None:
         self.model = model
         self.channel = channel
@@ -187,6 +195,9 @@ class FFNRuntime:
         self._held: tuple[list[StepHeader], dict[int, float]] | None = None
         """A formed step the EP group did not run (it agreed on another `first_layer`)."""
         self._ep_lost_wait_s = ep_lost_wait_s
+        if ubatches < 1:
+            raise ValueError(f"ubatches: {ubatches} < 1")
+        self._ubatches = ubatches
         self._ep_lost_at: float | None = None
         """When the EP group failed (`time.monotonic()`); None while it serves."""
 
@@ -393,50 +404,53 @@ class FFNRuntime:
         ep_before = self.ep.collective_s if self.ep is not None else 0.0
         compute_s = f2a_s = 0.0
         compute = self._layout_compute()
-        sizes = [step.num_tokens for step in steps]
-        tokens = sum(sizes)
-        inputs = compute.inputs(tokens if self.ep is None else max(self.ep.step_tokens))  # R >= ΣT_i rows
-        hidden = inputs.hidden[:tokens]  # [ΣT_i, H]
-        rows = hidden.split(sizes)  # per peer: a view [T_i, H] into hidden
-        topk = None if inputs.routing is None else [t[:tokens] for t in inputs.routing]  # ids, weights: [ΣT_i, k]
+        tokens = sum(step.num_tokens for step in steps)
+        ubatches = _ubatches(steps, self._ubatches if self.ep is None else 1)
+        groups = [self._group_inputs(compute, group) for group in ubatches]
         layers = range(first_layer, self.model.num_layers)
         lost: set[int] = set()
         timeline = self._timeline
-        marks = timeline.begin(start)  # arrived, computed, sent per layer on a timed step
+        marks = timeline.begin(start)  # arrived, computed, sent per layer and ubatch on a timed step
         for layer in layers:
-            for i, (step, peer_rows) in enumerate(zip(steps, rows)):
-                if step.peer in lost:
-                    continue
-                peer_topk = None if topk is None else tuple(t.split(sizes)[i] for t in topk)  # [T_i, k] views
-                try:
-                    self.channel.recv_a2f(step.peer, peer_rows, peer_topk)
-                except PeerLostError as exc:
-                    self._lost(step.peer, layer, exc, lost)
-                    for part in (peer_rows, *(peer_topk or ())):
-                        part.zero_()  # finite rows for the rest of the step (expert 0, weight 0)
-            if marks is not None:
-                marks.append(timeline.clock.stamp())
-            computing = time.perf_counter()
-            out, routed = compute.run(layer, inputs)  # [R, H]; [R, k] int64 for an MoE layer
-            if routed is not None:
-                routed = routed[:tokens].flatten()  # [ΣT_i*k]
-                self.expert_tokens.index_add_(0, routed, torch.ones_like(routed))
-            if marks is not None:
-                marks.append(timeline.clock.stamp())
-            sending = time.perf_counter()
-            compute_s += sending - computing
-            for step, peer_out in zip(steps, out[:tokens].split(sizes)):
-                if step.peer not in lost:
+            for group, inputs, sizes in groups:
+                rows = sum(sizes)
+                hidden = inputs.hidden[:rows].split(sizes)  # per peer: a view [T_i, H] into the inputs
+                topk = None if inputs.routing is None else [t[:rows].split(sizes) for t in inputs.routing]
+                for i, step in enumerate(group):
+                    if step.peer in lost:
+                        continue
+                    peer_topk = None if topk is None else (topk[0][i], topk[1][i])  # [T_i, k] views
                     try:
-                        self.channel.send_f2a(step.peer, peer_out)
+                        self.channel.recv_a2f(step.peer, hidden[i], peer_topk)
                     except PeerLostError as exc:
                         self._lost(step.peer, layer, exc, lost)
-            if marks is not None:
-                marks.append(timeline.clock.stamp())
-            f2a_s += time.perf_counter() - sending
+                        for part in (hidden[i], *(peer_topk or ())):
+                            part.zero_()  # finite rows for the rest of the step (expert 0, weight 0)
+                if marks is not None:
+                    marks.append(timeline.clock.stamp())
+                computing = time.perf_counter()
+                out, routed = compute.run(layer, inputs)  # [R, H]; [R, k] int64 for an MoE layer
+                if routed is not None:
+                    routed = routed[:rows].flatten()  # [rows*k]
+                    self.expert_tokens.index_add_(0, routed, torch.ones_like(routed))
+                if marks is not None:
+                    marks.append(timeline.clock.stamp())
+                sending = time.perf_counter()
+                compute_s += sending - computing
+                for step, peer_out in zip(group, out[:rows].split(sizes)):
+                    if step.peer not in lost:
+                        try:
+                            self.channel.send_f2a(step.peer, peer_out)
+                        except PeerLostError as exc:
+                            self._lost(step.peer, layer, exc, lost)
+                if marks is not None:
+                    marks.append(timeline.clock.stamp())
+                f2a_s += time.perf_counter() - sending
         timeline.end(marks, time.perf_counter())
-        layer_bytes = hidden.numel() * hidden.element_size()  # [ΣT_i, H] one way, one layer
-        topk_bytes = sum(t.numel() * t.element_size() for t in topk) if topk is not None else 0
+        row_bytes = self.model.hidden_size * self._dtype.itemsize  # one [H] row, one way
+        layer_bytes = tokens * row_bytes  # [ΣT_i, H] one way, one layer
+        routing = groups[0][1].routing  # ids [R, k] int64, weights [R, k] float32
+        topk_bytes = tokens * sum(t.shape[1] * t.element_size() for t in routing) if routing is not None else 0
         end = time.perf_counter()
         ep_s = self.ep.collective_s - ep_before if self.ep is not None else 0.0
         peers = tuple(
@@ -459,7 +473,23 @@ class FFNRuntime:
         """Count the timed steps whose stamps completed since the last step."""
         self.stats = self.stats.plus_split(self._timeline.collect())
 
+    def _group_inputs(
+        self, compute: FFNGraphs, group: list[StepHeader]
+    ) -> tuple[list[StepHeader], StepInputs, list[int]]:
+        """A ubatch's peers, the buffers its rows go to, and its rows per peer. With EP
+        the buffers hold the group's padded rows (the largest local count, the same on
+        every EP rank)."""
+        sizes = [step.num_tokens for step in group]
+        return group, compute.inputs(sum(sizes) if self.ep is None else max(self.ep.step_tokens)), sizes
+
     @staticmethod
     def _lost(peer: int, layer: int, exc: PeerLostError, lost: set[int]) -> None:
         logger.warning("FFN lost attention rank %d at layer %d (%s); the step goes on without it", peer, layer, exc)
         lost.add(peer)
+
+
+def _ubatches(steps: list[StepHeader], count: int) -> list[list[StepHeader]]:
+    """The step's peers in `min(count, len(steps))` ubatches (at least one, possibly
+    empty: an EP rank without local rows), dealt round robin in peer order."""
+    count = max(1, min(count, len(steps)))
+    return [steps[i::count] for i in range(count)]

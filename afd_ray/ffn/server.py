@@ -107,7 +107,7 @@ class FFNServer:
         poll_s, idle_poll_s = ep_polls if _is_moe(stack) else (_STOP_POLL_S, _STOP_POLL_S)
         self._runtime = FFNRuntime(
             stack, channel, dtype, poll_s, connector.batch_window_us / 1e6, ep, epoch=assignment.epoch,
-            idle_poll_s=idle_poll_s,
+            idle_poll_s=idle_poll_s, ubatches=ffn.ubatches,
             step_records=observability.step_records, ep_lost_wait_s=connector.peer_lost_wait_s,
         )
         self._publisher = FFNPublisher(self.rank) if observability.metrics else None

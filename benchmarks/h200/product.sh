@@ -12,12 +12,17 @@
 #          128 output tokens (MLA KV: 31 KiB/token, 256 x 4224 tokens in 40 GiB)
 #   qwen3  Qwen3-30B-A3B shape, the same with 1280-token prompts (its GQA KV cache,
 #          96 KiB/token, leaves no room for 256 x 4K beside its 58 GB of experts)
+#   fanin  DeepSeek-V2-Lite shape, as dsv2 but plain vs 2A:1F vs 2A:1F-dbo (two attention
+#          ranks and one FFN rank on one GPU, 1/3-GPU bundles; -dbo: the FFN rank serves
+#          the two attention ranks in two ubatches per layer, `ffn.ubatches` 2), batch
+#          (total streams) 64/128 (FANIN_BATCHES), 18 GiB KV per engine, a 3 ms batching
+#          window; TOPOLOGIES overrides the layouts
 #   mla    tests/gpu/test_serve_one_gpu.py -k deepseek: tiny DeepSeek-V3 (MLA, bf16)
 #          through Serve on one GPU vs plain vLLM, graphs and eager
 # Both sides run CUDA graphs (`--no-enforce-eager`): plain vLLM its default mode
 # (FULL_AND_PIECEWISE), the AFD attention engine piecewise graphs split at the FFN ops
 # (`afd_ray.attention.engine.afd_compilation_config`); EAGER=1 runs both eager.
-# Time limits per part: EQUAL_S, DSV2_S, QWEN3_S seconds (defaults 200, 500, 420);
+# Time limits per part: EQUAL_S, DSV2_S, QWEN3_S, FANIN_S seconds (defaults 200, 500, 420, 540);
 # BATCHES (default "16 64 256") and MAX_TOKENS (default 128) trim a run.
 # Last, `python -m afd_ray.bench.summary` writes OUT/product.json (the issue-13 keys) from
 # what the parts wrote; run `micro.sh OUT cuda_ipc moe_layer` into the same OUT before
@@ -40,12 +45,14 @@ run() {  # run NAME SECONDS CMD...: run CMD under a bound, log to $out/NAME.log
   echo "=== $name rc=$rc ($(date -u +%T))"
   [ $rc -eq 0 ] || { failed=$((failed + 1)); tail -n 30 "$out/$name.log"; }
 }
-bench() {  # bench NAME SECONDS SHAPE PROMPT_TOKENS KV_GIB ATTENTION_MEMORY PLAIN_MEMORY (GPU fractions)
-  run "$1" "$2" python3 -m afd_ray.bench --platform cuda --dtype bfloat16 --families "$3" $eager \
-    --topologies plain 1A1F --concurrency ${BATCHES:-16 64 256} --prompt-tokens "$4" --max-tokens ${MAX_TOKENS:-128} \
-    --requests-per-stream 1 --max-model-len $(($4 + 256)) --kv-cache-gib "$5" \
-    --gpu-memory-utilization "$6" --plain-gpu-memory-utilization "$7" --checkpoints /tmp/afd-shapes --request-timeout-s 400 \
-    --out "$out/$1.json"
+bench() {  # bench NAME SECONDS SHAPE PROMPT_TOKENS KV_GIB ATTENTION_MEMORY PLAIN_MEMORY (GPU fractions) [FLAGS...]
+  local name=$1 limit=$2 shape=$3 prompt=$4 kv=$5 memory=$6 plain=$7; shift 7
+  run "$name" "$limit" python3 -m afd_ray.bench --platform cuda --dtype bfloat16 --families "$shape" $eager \
+    --topologies ${TOPOLOGIES:-plain 1A1F} --concurrency ${BATCHES:-16 64 256} --prompt-tokens "$prompt" \
+    --max-tokens ${MAX_TOKENS:-128} "$@" \
+    --requests-per-stream 1 --max-model-len $((prompt + 256)) --kv-cache-gib "$kv" \
+    --gpu-memory-utilization "$memory" --plain-gpu-memory-utilization "$plain" --checkpoints /tmp/afd-shapes \
+    --request-timeout-s 400 --out "$out/$name.json"
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
@@ -57,6 +64,8 @@ for part in $parts; do
         -p no:cacheprovider -k "llama and graphs" ;;
     dsv2) bench product-dsv2 "${DSV2_S:-500}" deepseek-v2-lite 4096 40 0.45 0.6 ;;
     qwen3) bench product-qwen3 "${QWEN3_S:-420}" qwen3-30b-a3b 1280 38 0.35 0.8 ;;
+    fanin) TOPOLOGIES=${TOPOLOGIES:-plain 2A1F 2A1F-dbo} BATCHES=${FANIN_BATCHES:-64 128} \
+        bench product-fanin "${FANIN_S:-540}" deepseek-v2-lite 4096 18 0.25 0.6 --gpu-fraction 0.33 --batch-window-us 3000 ;;
     mla) run mla 400 python3 -m pytest tests/gpu/test_serve_one_gpu.py --confcutdir=tests/gpu -rs -q -s \
         -p no:cacheprovider -k deepseek ;;
     *) echo "unknown part $part"; failed=$((failed + 1)) ;;

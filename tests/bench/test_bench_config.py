@@ -25,7 +25,19 @@ def test_bare_topology_runs_without_metrics_and_step_records() -> None:
     assert BenchConfig(topologies=("1A1F",)).topologies[0].observability
 
 
-@pytest.mark.parametrize("label", ["1A0F", "AF", "2x2", "", "plain-bare", "1A1F-off"])
+def test_dbo_topology_serves_two_ubatches_per_ffn_step(tmp_path: Path) -> None:
+    from afd_ray.bench.runner import _app_config
+    from afd_ray.models.shapes import build_shape
+
+    cfg = BenchConfig(topologies=("2a1f-dbo", "2A1F-dbo-bare", "2A1F"), batch_window_us=3000)
+    dbo, bare, lockstep = cfg.topologies
+    assert (dbo.label, bare.label, lockstep.label) == ("2A1F-dbo", "2A1F-dbo-bare", "2A1F")
+    assert (dbo.ubatches, bare.ubatches, bare.observability, lockstep.ubatches) == (2, 2, False, 1)
+    app = _app_config(cfg, "deepseek-v2-lite", build_shape("deepseek-v2-lite", tmp_path / "shape"), dbo)
+    assert (app.ffn.ubatches, app.connector.batch_window_us) == (2, 3000)
+
+
+@pytest.mark.parametrize("label", ["1A0F", "AF", "2x2", "", "plain-bare", "1A1F-off", "1A1F-bare-dbo", "plain-dbo"])
 def test_bad_topology_is_rejected_with_its_label(label: str) -> None:
     with pytest.raises(ValidationError, match="topolog"):
         BenchConfig(topologies=(label,))

@@ -6,8 +6,10 @@ the same FFN stack called directly on each peer's rows.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -30,14 +32,22 @@ WINDOW_S = 0.05
 def runtime(stack: FFNStack, request: pytest.FixtureRequest):
     """A running FFN runtime; `@pytest.mark.window(s)` sets its batching window."""
     marker = request.node.get_closest_marker("window")
-    window = marker.args[0] if marker else WINDOW_S
+    with _running(stack, marker.args[0] if marker else WINDOW_S) as ffn:
+        yield ffn
+
+
+@contextlib.contextmanager
+def _running(stack: FFNStack, window_s: float, ubatches: int = 1) -> Iterator[FFNRuntime]:
+    """An FFN runtime serving over gloo/shm in a thread, stopped on exit."""
     channel = FFNChannel("127.0.0.1", "gloo", timeout_s=30)
-    ffn = FFNRuntime(stack, channel, torch.float32, poll_s=0.05, batch_window_s=window)
+    ffn = FFNRuntime(stack, channel, torch.float32, poll_s=0.05, batch_window_s=window_s, ubatches=ubatches)
     loop = threading.Thread(target=ffn.run)
     loop.start()
-    yield ffn
-    ffn.stop()
-    loop.join(10)
+    try:
+        yield ffn
+    finally:
+        ffn.stop()
+        loop.join(10)
 
 
 def _wait_for_steps(runtime: FFNRuntime, steps: int) -> None:
@@ -88,7 +98,13 @@ def _run_peers(runtime: FFNRuntime, plans: dict[int, list[int]]) -> list[str]:
     return errors
 
 
-def test_three_peers_on_one_ffn_rank_get_their_own_rows(runtime: FFNRuntime) -> None:
+@pytest.mark.parametrize("ubatches", [1, 2], ids=["one-ubatch", "two-ubatches"])
+def test_three_peers_on_one_ffn_rank_get_their_own_rows(stack: FFNStack, ubatches: int) -> None:
+    with _running(stack, WINDOW_S, ubatches) as runtime:
+        _check_three_peers(runtime)
+
+
+def _check_three_peers(runtime: FFNRuntime) -> None:
     plans = {0: [5, 1, 17, 3], 1: [2, 9, 4], 2: [33]}
     assert _run_peers(runtime, plans) == []
     total = sum(sum(sizes) for sizes in plans.values())
@@ -168,6 +184,39 @@ def test_routing_sent_by_the_attention_side_is_used(tmp_path: Path, transport: s
     finally:
         runtime.stop()
         loop.join(10)
+
+
+@pytest.mark.parametrize("ubatches", [1, 2], ids=["one-ubatch", "two-ubatches"])
+def test_with_two_ubatches_a_peer_is_served_while_the_other_is_late(stack: FFNStack, ubatches: int) -> None:
+    """DBO across attention ranks: peers 0 and 1 share one step (a 30 s window), and
+    peer 1 sends its layer-0 rows 2 s late. With two ubatches peer 0 gets layer 0
+    back at once (the FFN serves its ubatch first); with one, it waits for peer 1's
+    rows too, since the FFN computes both at once."""
+    with _running(stack, 30.0, ubatches) as runtime:
+        first, late = _open(runtime, 0), _open(runtime, 1)
+        hidden = torch.randn(4, runtime.model.hidden_size)
+        first.send_header(4)
+        late.send_header(4)
+
+        def late_peer() -> None:
+            time.sleep(2.0)
+            with torch.inference_mode():
+                for layer in range(runtime.model.num_layers):
+                    late.exchange(hidden * (layer + 1))
+
+        thread = threading.Thread(target=late_peer)
+        thread.start()
+        with torch.inference_mode():
+            start = time.perf_counter()
+            out = first.exchange(hidden)
+            waited = time.perf_counter() - start
+            torch.testing.assert_close(out, runtime.model(0, hidden))
+            for layer in range(1, runtime.model.num_layers):
+                torch.testing.assert_close(first.exchange(hidden * (layer + 1)), runtime.model(layer, hidden * (layer + 1)))
+        thread.join(30)
+        assert (waited < 1.0) if ubatches == 2 else (waited > 1.9), waited
+        first.close()
+        late.close()
 
 
 @pytest.mark.window(30.0)

@@ -12,8 +12,10 @@ same GPU: the attention engine (vLLM, `AttentionServer`) and the FFN rank
 
 Each family eager and with CUDA graphs (`enforce_eager: false`): the AFD attention
 engine then runs vLLM's piecewise graphs split at the FFN boundary ops
-(`afd_ray.attention.engine.afd_compilation_config`), plain vLLM its own default graph
-mode. Needs CUDA, vLLM and Ray (the device pack); run with the NVIDIA MPS daemon up
+(`afd_ray.attention.engine.afd_compilation_config`), and the reference is plain vLLM
+in the same mode (`cudagraph_mode: PIECEWISE`). With graphs, plain vLLM's default mode
+(FULL_AND_PIECEWISE) is run too and its agreement with plain PIECEWISE recorded
+(`plain_full_vs_piecewise_equal`): how far graph modes alone move bf16 tokens. Needs CUDA, vLLM and Ray (the device pack); run with the NVIDIA MPS daemon up
 for speed (it is correct without). Skips visibly elsewhere. `-k graphs` or `-k eager`
 picks a mode.
 Prints one JSON line per family (`SERVE_ONE_GPU {...}`) for the results file.
@@ -26,6 +28,7 @@ import json
 import os
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -40,19 +43,23 @@ pytestmark = [
 PROMPTS = ["The quick brown fox", "def main():", "Hello, my name is", "import os", "class Node:", "In the beginning"]
 LENGTHS = [4, 24, 9, 16, 31, 12]
 FAMILIES = {"llama": "float32", "qwen3_moe": "float32", "deepseek_v3": "bfloat16"}
-CASES = [(family, eager) for eager in (False, True) for family in FAMILIES]
-"""(family, eager): CUDA-graph cases first."""
+CASES = [(family, eager, False) for eager in (False, True) for family in FAMILIES] + [("qwen3_moe", False, True)]
+"""(family, eager, dbo): CUDA-graph cases first; `dbo`: 2A:1F on the GPU (1/3-GPU
+bundles), the FFN rank serving its two attention peers in two ubatches per layer
+(`ffn.ubatches`), instead of 1A:1F."""
 BF16_MIN_EQUAL = 0.95
 
 
-def _plain(checkpoint: Path, dtype: str, eager: bool) -> tuple[list[list[int]], list[list[float]]]:
-    """Plain vLLM's greedy tokens and prompt logprobs, in-process, then the GPU freed."""
+def _plain(checkpoint: Path, dtype: str, mode: str | None) -> tuple[list[list[int]], list[list[float]]]:
+    """Plain vLLM's greedy tokens and prompt logprobs, in-process, then the GPU freed;
+    `mode`: vLLM's `cudagraph_mode` (None: eager)."""
     from vllm import LLM, SamplingParams
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    graphs = {} if mode is None else {"compilation_config": {"cudagraph_mode": mode}}
     try:
-        llm = LLM(str(checkpoint), dtype=dtype, enforce_eager=eager, max_model_len=512, max_num_seqs=8,
-                  kv_cache_memory_bytes=1 << 28, gpu_memory_utilization=0.3)
+        llm = LLM(str(checkpoint), dtype=dtype, enforce_eager=mode is None, max_model_len=512, max_num_seqs=8,
+                  kv_cache_memory_bytes=1 << 28, gpu_memory_utilization=0.3, **graphs)
         tokens, logprobs = [], []
         for prompt, length in zip(PROMPTS, LENGTHS, strict=True):
             params = SamplingParams(temperature=0, max_tokens=length, ignore_eos=True, prompt_logprobs=0)
@@ -90,8 +97,10 @@ def serve_url() -> str:
     ray.shutdown()
 
 
-@pytest.mark.parametrize(("family", "eager"), CASES, ids=[f"{f}-{'eager' if e else 'graphs'}" for f, e in CASES])
-def test_afd_on_one_gpu_equals_plain_vllm(serve_url: str, family: str, eager: bool, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("family", "eager", "dbo"), CASES, ids=[f"{f}-{'eager' if e else 'graphs'}{'-2A1F-dbo' if d else ''}" for f, e, d in CASES]
+)
+def test_afd_on_one_gpu_equals_plain_vllm(serve_url: str, family: str, eager: bool, dbo: bool, tmp_path: Path) -> None:
     import httpx
     from ray import serve
 
@@ -100,33 +109,38 @@ def test_afd_on_one_gpu_equals_plain_vllm(serve_url: str, family: str, eager: bo
 
     dtype = FAMILIES[family]
     checkpoint = Path(build_tiny(family, tmp_path / family, cuda_mla_heads=family.startswith("deepseek")))
-    expected, expected_logprobs = _plain(checkpoint, dtype, eager)
+    expected, expected_logprobs = _plain(checkpoint, dtype, None if eager else "PIECEWISE")
+    full = None if eager else _plain(checkpoint, dtype, "FULL_AND_PIECEWISE")[0]
     args = {
         "platform": "cuda",
         "model": {"source": str(checkpoint), "served_name": "tiny", "dtype": dtype, "max_model_len": 512},
-        "attention": {"kv_cache_gib": 0.25, "max_num_seqs": 8, "bundle_resources": 0.5,
-                      "gpu_memory_utilization": 0.3, "enforce_eager": eager},
-        "ffn": {"bundle_resources": 0.5},
-        "connector": {"transport": "cuda_ipc"},
+        "attention": {"num_ranks": 2 if dbo else 1, "kv_cache_gib": 0.25, "max_num_seqs": 8,
+                      "bundle_resources": 0.33 if dbo else 0.5, "gpu_memory_utilization": 0.2 if dbo else 0.3,
+                      "enforce_eager": eager},
+        "ffn": {"bundle_resources": 0.33 if dbo else 0.5, "ubatches": 2 if dbo else 1},
+        "connector": {"transport": "cuda_ipc", "batch_window_us": 3000},
     }
-    name = f"gpu-{family}-{'eager' if eager else 'graphs'}"
+    name = f"gpu-{family}-{'eager' if eager else 'graphs'}{'-dbo' if dbo else ''}"
     start = time.perf_counter()
     try:
         serve.run(build_app(args), name=name, route_prefix=f"/{name}")
         started_s = time.perf_counter() - start
         graphs = serve.get_deployment_handle("attention", app_name=name).graphs_captured.remote().result()
         with httpx.Client(base_url=serve_url, timeout=300) as http:
-            got, got_logprobs = [], []
-            for prompt, length in zip(PROMPTS, LENGTHS, strict=True):
-                body = {"model": "tiny", "prompt": prompt, "max_tokens": length, "temperature": 0,
+
+            def complete(i: int) -> tuple[list[int], list[float]]:
+                body = {"model": "tiny", "prompt": PROMPTS[i], "max_tokens": LENGTHS[i], "temperature": 0,
                         "ignore_eos": True, "return_token_ids": True, "prompt_logprobs": 0}
                 response = http.post(f"/{name}/v1/completions", json=body)
                 assert response.status_code == 200, response.text
                 choice = response.json()["choices"][0]
-                got.append(choice["token_ids"])
                 # prompt_logprobs=0: each position holds the prompt token's entry only
                 entries = (choice.get("prompt_logprobs") or [None])[1:]
-                got_logprobs.append([next(iter(entry.values()))["logprob"] for entry in entries if entry])
+                return choice["token_ids"], [next(iter(entry.values()))["logprob"] for entry in entries if entry]
+
+            # 2A:1F-dbo: concurrent requests, so both attention ranks step at once
+            with ThreadPoolExecutor(len(PROMPTS) if dbo else 1) as pool:
+                got, got_logprobs = (list(part) for part in zip(*pool.map(complete, range(len(PROMPTS)))))
     finally:
         serve.delete(name)
     positions = sum(len(t) for t in expected)
@@ -134,9 +148,12 @@ def test_afd_on_one_gpu_equals_plain_vllm(serve_url: str, family: str, eager: bo
     diffs = [abs(a - b) for g, e in zip(got_logprobs, expected_logprobs, strict=True) if len(g) == len(e)
              for a, b in zip(g, e, strict=True)]
     record = {
-        "family": family, "eager": eager, "dtype": dtype, "equal_positions": equal, "positions": positions,
+        "family": family, "eager": eager, "dbo": dbo, "dtype": dtype, "equal_positions": equal, "positions": positions,
         "all_equal": got == expected, "prompt_logprob_max_abs_diff": max(diffs) if diffs else None,
         "app_start_s": started_s, "graphs_captured": graphs, "gpu": torch.cuda.get_device_name(0),
+        "plain_full_vs_piecewise_equal": None if full is None else sum(
+            a == b for full_t, exp_t in zip(full, expected, strict=True) for a, b in zip(full_t, exp_t, strict=True)
+        ),
     }
     print("SERVE_ONE_GPU " + json.dumps(record), flush=True)
     assert (graphs > 0) != eager, record  # graph cases really captured; eager ones did not

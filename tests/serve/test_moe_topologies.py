@@ -76,12 +76,12 @@ def http(serve_url: str) -> Iterator[httpx.Client]:
         yield client
 
 
-def _args(checkpoint: Path, attention: int, ffn: int, gate: str) -> dict[str, object]:
+def _args(checkpoint: Path, attention: int, ffn: int, gate: str, ubatches: int) -> dict[str, object]:
     return {
         "gate_placement": gate,
         "model": {"source": str(checkpoint), "served_name": "tiny", "max_model_len": 512},
         "attention": {"num_ranks": attention, "kv_cache_gib": 0.25, "max_num_seqs": 8, "bundle_resources": 0.5},
-        "ffn": {"num_ranks": ffn, "bundle_resources": 0.5},
+        "ffn": {"num_ranks": ffn, "bundle_resources": 0.5, "ubatches": ubatches},
     }
 
 
@@ -90,28 +90,29 @@ def _args(checkpoint: Path, attention: int, ffn: int, gate: str) -> dict[str, ob
 # tiny Qwen3-MoE (gate_on_ffn) at 1A:1F, 2A:1F, 2A:2F and 1A:2F against plain vLLM's
 # tokens; the cases below add DeepSeek-V3 (MLA, a dense layer 0) under both gate
 # placements, fan-in (2A:1F, 3A:2F), A < F (1A:2F), a non-integer ratio and EP2 with
-# the gate on the attention ranks.
+# the gate on the attention ranks. The 2A:1F case serves its two attention peers in two
+# ubatches per layer (`ffn.ubatches`, DBO across attention ranks).
 MATRIX = [
-    ("deepseek_v3", 2, 1, "gate_on_ffn"),
-    ("deepseek_v3", 1, 2, "gate_on_attention"),
-    ("qwen3_moe", 3, 2, "gate_on_attention"),
+    ("deepseek_v3", 2, 1, "gate_on_ffn", 2),
+    ("deepseek_v3", 1, 2, "gate_on_attention", 1),
+    ("qwen3_moe", 3, 2, "gate_on_attention", 1),
 ]
 
 
 @pytest.mark.parametrize(
-    ("reference", "attention", "ffn", "gate"),
+    ("reference", "attention", "ffn", "gate", "ubatches"),
     MATRIX,
-    ids=[f"{f}-{a}A{n}F-{g}" for f, a, n, g in MATRIX],
+    ids=[f"{f}-{a}A{n}F-{g}" + (f"-{u}ubatches" if u > 1 else "") for f, a, n, g, u in MATRIX],
     indirect=["reference"],
 )
 def test_greedy_tokens_equal_plain_vllm_across_topologies(
     http: httpx.Client, reference: tuple[Path, list[list[int]]], request: pytest.FixtureRequest,
-    attention: int, ffn: int, gate: str,
+    attention: int, ffn: int, gate: str, ubatches: int,
 ) -> None:
     checkpoint, expected = reference
     family = request.node.callspec.params["reference"]
     name = f"{family}-{attention}a{ffn}f-{gate.replace('_', '-')}"
-    serve.run(build_app(_args(checkpoint, attention, ffn, gate)), name=name, route_prefix=f"/{name}")
+    serve.run(build_app(_args(checkpoint, attention, ffn, gate, ubatches)), name=name, route_prefix=f"/{name}")
     try:
         status = http.get(f"/{name}/afd/status").json()
         peers = sorted(member["ffn_peer"] for member in status["attention"])
