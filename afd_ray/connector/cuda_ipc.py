@@ -26,6 +26,15 @@ alternates A2F and F2A per ubatch, so a side writes a slot of the peer again onl
 after it received the peer's answer, which the peer raised after its copy out of that
 slot (same stream, earlier).
 
+Several pairs per process: torch numbers the store exchanges of its symmetric-memory
+rendezvous with one counter per process, not per group, so an FFN rank's second pair
+(a second attention peer, or a re-peered one) would wait for keys its fresh peer
+never writes (seen on an H200: 2A:1F timed out in the rendezvous). `open_cuda_ipc_pair`
+therefore has each side publish how many rendezvous its process ran, and the side
+behind runs that many one-rank rendezvous first (`_catch_up`), so that both sides'
+counters agree. It assumes nothing else in the process rendezvous symmetric memory
+(vLLM does only with TP > 1, which the attention engine does not use).
+
 Failure: every flag wait and put is bounded by `timeout_ms` on the device; past it
 torch's kernel traps, which ends the CUDA context of that process (the replica then
 fails and Serve restarts it): a dead peer is never waited on forever, but is
@@ -109,7 +118,7 @@ class CudaIpcPair:
         numel = 2 * ubatches * slot_bytes
         allow_symm_mem_shared_device()
         self._buffer = symm_mem.empty(numel, dtype=torch.uint8, device=device)
-        self._handle = symm_mem.rendezvous(self._buffer, group.group_name)
+        self._handle = _rendezvous_once(self._buffer, group)
         self._peer = 1 - self._handle.rank
         self._peer_buffer = self._handle.get_buffer(self._peer, (numel,), torch.uint8, 0)
         self._handle.barrier(_BARRIER_CHANNEL, timeout_ms)
@@ -172,6 +181,34 @@ class CudaIpcPair:
         unregister_group(self._group.group_name)
 
 
+_rendezvous = 0
+"""Symmetric-memory rendezvous this process ran (`_catch_up`)."""
+
+
+def _rendezvous_once(buffer: torch.Tensor, group: dist.ProcessGroup) -> symm_mem._SymmetricMemory:
+    global _rendezvous
+    handle = symm_mem.rendezvous(buffer, group.group_name)
+    _rendezvous += 1
+    return handle
+
+
+def _catch_up(side: Side, store: dist.Store, device: torch.device, timeout_s: float) -> None:
+    """Agree with the other side of the pair on torch's per-process rendezvous counter:
+    publish this process's count in `store`, read the other's, and if it is ahead run
+    as many one-rank rendezvous (module docstring)."""
+    other = "attention" if side == "ffn" else "ffn"
+    store.set(f"ipc/rendezvous/{side}", str(_rendezvous))
+    store.wait([f"ipc/rendezvous/{other}"], timedelta(seconds=timeout_s))
+    behind = int(store.get(f"ipc/rendezvous/{other}").decode()) - _rendezvous
+    for _ in range(behind):
+        name = f"afd-ipc-catch-up-{uuid.uuid4().hex[:12]}"
+        group = registered_gloo_group(dist.HashStore(), 0, 1, timeout_s, name)
+        try:
+            _rendezvous_once(symm_mem.empty(16, dtype=torch.uint8, device=device), group)
+        finally:
+            unregister_group(name)
+
+
 def open_cuda_ipc_pair(side: Side, store: dist.Store, peer: int, ubatches: int, timeout_s: float) -> CudaIpcPair:
     """Open one side of attention rank `peer`'s CUDA-IPC pair on this process's current
     CUDA device (a collective: both sides call it with a store private to the pair,
@@ -189,6 +226,7 @@ def open_cuda_ipc_pair(side: Side, store: dist.Store, peer: int, ubatches: int, 
     else:
         store.wait(["ipc/group"], timedelta(seconds=timeout_s))
         name = store.get("ipc/group").decode()
-    group = registered_gloo_group(store, 0 if side == "ffn" else 1, 2, timeout_s, name)
     device = torch.device("cuda", torch.cuda.current_device())
+    _catch_up(side, store, device, timeout_s)
+    group = registered_gloo_group(store, 0 if side == "ffn" else 1, 2, timeout_s, name)
     return CudaIpcPair(side, group, ubatches, device, int(timeout_s * 1000))
