@@ -194,22 +194,18 @@ def app_name(family: str, topology: Topology) -> str:
 
 
 def _split(before: FFNMember, after: FFNMember) -> StepSplitResult | None:
-    """The step split of one FFN rank over the load (deltas of its `split_*` counters);
+    """The step split of one FFN rank over the load (the growth of its `split`);
     None when no step of the load was timed."""
-    timed = after.split_steps - before.split_steps
-    if timed <= 0:
+    d = after.split - before.split
+    if d.steps <= 0:
         return None
-    attention = after.split_attention_s - before.split_attention_s
-    wire = after.split_wire_s - before.split_wire_s
-    ffn = after.split_ffn_s - before.split_ffn_s
-    idle = after.split_idle_s - before.split_idle_s
-    total = attention + wire + ffn + idle
-    ms, share = 1e3 / timed, 1 / total if total > 0 else 0.0
+    total = d.attention_s + d.wire_s + d.ffn_s + d.idle_s
+    ms, share = 1e3 / d.steps, 1 / total if total > 0 else 0.0
     return StepSplitResult(
-        timed_steps=timed, step_ms=total * ms,
-        attention_ms=attention * ms, wire_ms=wire * ms, ffn_ms=ffn * ms, idle_ms=idle * ms,
-        attention_fraction=attention * share, wire_fraction=wire * share, ffn_fraction=ffn * share,
-        idle_fraction=idle * share,
+        timed_steps=d.steps, step_ms=total * ms,
+        attention_ms=d.attention_s * ms, wire_ms=d.wire_s * ms, ffn_ms=d.ffn_s * ms, idle_ms=d.idle_s * ms,
+        attention_fraction=d.attention_s * share, wire_fraction=d.wire_s * share, ffn_fraction=d.ffn_s * share,
+        idle_fraction=d.idle_s * share,
     )  # fmt: skip
 
 

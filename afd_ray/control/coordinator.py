@@ -21,7 +21,6 @@ import asyncio
 import functools
 import logging
 import time
-from dataclasses import asdict
 
 from ray import serve
 
@@ -185,7 +184,7 @@ class Coordinator:
             return FFNDirective()
         if not serving:
             await registry.notify()
-        update = asdict(stats) | {"expert_tokens": expert_tokens, "epoch": epoch}
+        update = vars(stats) | {"expert_tokens": expert_tokens, "epoch": epoch}  # shallow: `split` stays a StepSplit
         if member.state is MemberState.STARTING and rank in registry.layout and epoch == registry.layout_epoch:
             update["state"] = member.state.to(MemberState.READY)
             update["ep_rank"] = registry.layout.index(rank)

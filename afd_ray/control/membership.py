@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict
 from afd_ray.autoscale.policy import MetricsSnapshot
 from afd_ray.connector.channel import FFNAddress
 from afd_ray.connector.link import Transport
+from afd_ray.observability.timeline import StepSplit
 
 __all__ = [
     "AFDStatus",
@@ -162,13 +163,8 @@ class FFNMember(_Record):
     busy_s: float = 0.0
     a2f_bytes: int = 0
     f2a_bytes: int = 0
-    split_steps: int = 0
-    """Steps timed for the step split below (`FFNStats.split_steps`)."""
-    split_attention_s: float = 0.0
-    split_wire_s: float = 0.0
-    split_ffn_s: float = 0.0
-    split_idle_s: float = 0.0
-    """The step split summed over the timed steps, seconds (`FFNStats.split_*_s`)."""
+    split: StepSplit = StepSplit()
+    """The step split of its timed steps (`FFNStats.split`)."""
     expert_tokens: list[int] = []
     """Rows this rank's tokens routed to each expert, summed over MoE layers and steps;
     divided by `steps` x MoE layers it is tokens per expert per step (expert load)."""

@@ -133,7 +133,7 @@ class FFNRuntime:
     With EP, the step agreement all-reduce counts as batching-window wait. On CUDA the
     times are host times of asynchronous launches.
 
-    Step split (`FFNStats.split_*`, `afd_ray.observability.timeline`): per layer the
+    Step split (`FFNStats.split`, `afd_ray.observability.timeline`): per layer the
     loop stamps when the rows arrived, when compute ended and when the F2A sends ended,
     on the device timeline (CUDA events on this rank's stream; `time.perf_counter` on
     CPU), and splits the interval from the previous step's end to this step's end into
@@ -181,7 +181,7 @@ class FFNRuntime:
         self._batch_window_s = batch_window_s
         self._device = next(model.parameters()).device
         self._timeline = StepTimeline.of(self._device)
-        """Device-timeline stamps of timed steps: `FFNStats.split_*`."""
+        """Device-timeline stamps of timed steps: `FFNStats.split`."""
         self._stop = threading.Event()
         moe = [block for block in model.layers if isinstance(block, MoE)]
         num_experts = moe[0].spec.num_experts if moe else 0
@@ -466,12 +466,15 @@ class FFNRuntime:
             busy_s=stats.busy_s + end - start,
             a2f_bytes=stats.a2f_bytes + (layer_bytes + topk_bytes) * len(layers),
             f2a_bytes=stats.f2a_bytes + layer_bytes * len(layers),
-        ).plus_split(timeline.collect())
+            split=stats.split + timeline.collect(),
+        )
         return lost
 
     def _count_split(self) -> None:
         """Count the timed steps whose stamps completed since the last step."""
-        self.stats = self.stats.plus_split(self._timeline.collect())
+        split = self._timeline.collect()
+        if split.steps:
+            self.stats = replace(self.stats, split=self.stats.split + split)
 
     def _group_inputs(
         self, compute: FFNGraphs, group: list[StepHeader]

@@ -101,18 +101,33 @@ class Clock:
 
 @dataclass(frozen=True, slots=True)
 class StepSplit:
-    """Sums of the four parts (module docstring) over `steps` timed steps, seconds."""
+    """Sums of the four parts (module docstring) over `steps` timed steps, seconds on
+    the FFN rank's timeline. Divide them by `steps` for means per step."""
 
     steps: int = 0
+    """Timed steps summed (every step on CPU, a sample on CUDA; not a step starting
+    over `IDLE_GAP_S` after the previous one)."""
     attention_s: float = 0.0
+    """Waits for each later layer's rows: the attention rank's per-layer work and the
+    A2F transfer."""
     wire_s: float = 0.0
+    """F2A copies and signals queued on the FFN rank."""
     ffn_s: float = 0.0
+    """FFN compute, EP collectives included."""
     idle_s: float = 0.0
+    """Previous step's last F2A to the first layer's rows."""
 
     def __add__(self, other: StepSplit) -> StepSplit:
         return StepSplit(
             self.steps + other.steps, self.attention_s + other.attention_s, self.wire_s + other.wire_s,
             self.ffn_s + other.ffn_s, self.idle_s + other.idle_s,
+        )  # fmt: skip
+
+    def __sub__(self, other: StepSplit) -> StepSplit:
+        """The growth of these sums since `other`, an earlier value of them."""
+        return StepSplit(
+            self.steps - other.steps, self.attention_s - other.attention_s, self.wire_s - other.wire_s,
+            self.ffn_s - other.ffn_s, self.idle_s - other.idle_s,
         )  # fmt: skip
 
 

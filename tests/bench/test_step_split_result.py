@@ -1,5 +1,5 @@
 """The bench's FFN step split: deltas of two `/afd/status` snapshots of an FFN rank
-(`FFNMember.split_*`) as per-step means and fractions, and its table column."""
+(`FFNMember.split`) as per-step means and fractions, and its table column."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from afd_ray.bench.runner import _SETTLE_POLL_S, _ffn_rank
 from afd_ray.bench.schema import BenchResult
 from afd_ray.connector.channel import FFNAddress
 from afd_ray.control.membership import FFNMember
-from afd_ray.observability.timeline import IDLE_GAP_S
+from afd_ray.observability.timeline import IDLE_GAP_S, StepSplit
 
 RESULT = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "h200-2026-12-01-product-dsv2.json"
 ADDRESS = FFNAddress("127.0.0.1", 1, 2)
@@ -20,8 +20,8 @@ ADDRESS = FFNAddress("127.0.0.1", 1, 2)
 
 def _member(steps: int, timed: int, attention: float, wire: float, ffn: float, idle: float) -> FFNMember:
     return FFNMember(
-        rank=0, address=ADDRESS, steps=steps, tokens=4 * steps, busy_s=0.1 * steps, split_steps=timed,
-        split_attention_s=attention, split_wire_s=wire, split_ffn_s=ffn, split_idle_s=idle,
+        rank=0, address=ADDRESS, steps=steps, tokens=4 * steps, busy_s=0.1 * steps,
+        split=StepSplit(timed, attention, wire, ffn, idle),
     )  # fmt: skip
 
 

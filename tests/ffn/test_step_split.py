@@ -1,4 +1,4 @@
-"""The FFN step split (`FFNStats.split_*`) of a real FFN runtime on CPU.
+"""The FFN step split (`FFNStats.split`) of a real FFN runtime on CPU.
 
 One attention peer (an `AttentionChannel` in this process, `shm`) runs steps of the
 tiny Llama's 2 FFN layers with known sleeps: `LAYER_GAP_S` before layer 1 (attention
@@ -72,18 +72,19 @@ def test_the_split_of_each_step_adds_up_and_puts_each_gap_in_its_part(runtime: F
     channel.close()
 
     assert stats.steps == STEPS
-    assert stats.split_steps == STEPS - 1  # the first step has no previous end
-    parts = (stats.split_attention_s, stats.split_wire_s, stats.split_ffn_s, stats.split_idle_s)
-    assert min(parts) >= 0 and stats.split_ffn_s > 0
+    split = stats.split
+    assert split.steps == STEPS - 1  # the first step has no previous end
+    parts = (split.attention_s, split.wire_s, split.ffn_s, split.idle_s)
+    assert min(parts) >= 0 and split.ffn_s > 0
     # The FFN rank's intervals end when its last F2A went out, the peer's when it
     # arrived: the two sums differ only by the delivery jitter of the first and last step.
     assert sum(parts) == pytest.approx(done[-1] - done[0], abs=0.05)
     timed = STEPS - 1
-    assert stats.split_attention_s >= timed * LAYER_GAP_S
-    assert stats.split_idle_s >= timed * STEP_GAP_S
+    assert split.attention_s >= timed * LAYER_GAP_S
+    assert split.idle_s >= timed * STEP_GAP_S
     # The gap between layers is the attention rank's, not the FFN's, nor idle.
-    assert stats.split_ffn_s < timed * LAYER_GAP_S / 2
-    assert stats.split_attention_s < timed * (LAYER_GAP_S + STEP_GAP_S)
+    assert split.ffn_s < timed * LAYER_GAP_S / 2
+    assert split.attention_s < timed * (LAYER_GAP_S + STEP_GAP_S)
 
 
 def test_a_step_after_a_pause_starts_no_interval(runtime: FFNRuntime) -> None:
@@ -95,7 +96,7 @@ def test_a_step_after_a_pause_starts_no_interval(runtime: FFNRuntime) -> None:
     after = _settled(runtime, 6)
     channel.close()
 
-    assert before.split_steps == 2
-    assert after.split_steps == 4  # the first step after the pause is not timed
+    assert before.split.steps == 2
+    assert after.split.steps == 4  # the first step after the pause is not timed
     # The pause is in no part: the 2 new timed steps' idle is about STEP_GAP_S each.
-    assert after.split_idle_s - before.split_idle_s < 2 * IDLE_GAP_S
+    assert after.split.idle_s - before.split.idle_s < 2 * IDLE_GAP_S
