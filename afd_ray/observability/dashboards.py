@@ -98,6 +98,11 @@ PANELS: tuple[Panel, ...] = (
         (f"sum(rate({_series('afd_ffn_queue_seconds')}_sum[{RATE}])) / "
          f"sum(rate({_series('afd_ffn_queue_seconds')}_count[{RATE}]))", "batching window"),
     ), "Mean per FFN step: compute, EP collectives, batching-window wait."),
+    Panel("FFN step split", "s", (
+        (f"sum by (rank, part) (rate({_series('afd_ffn_split_seconds')}[{RATE}])) / on (rank) group_left "
+         f"sum by (rank) (rate({_series('afd_ffn_split_steps')}[{RATE}]))", "rank {{rank}} {{part}}"),
+    ), "Mean per timed FFN step, on the FFN rank's device timeline: waiting for the attention rank's "
+       "layers and A2F (attention), F2A (wire), FFN compute with EP (ffn), and before the first layer (idle)."),
     Panel("Connector wait", "s", tuple(_quantiles(_series("afd_connector_wait_seconds"))),
           "Time an attention step is blocked in the FFN exchange (A2F to F2A, all layers)."),
     Panel("A2F / F2A bytes/s", "Bps", (

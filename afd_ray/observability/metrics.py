@@ -78,6 +78,16 @@ METRICS: tuple[Metric, ...] = (
     Metric("afd_ffn_ep_collective_seconds", Kind.HISTOGRAM, "seconds",
            "EP collectives (all-gather of rows and routing, reduce-scatter of outputs) of one FFN step, "
            "every layer.", _RANK, _STEP_S),
+    Metric("afd_ffn_split_seconds", Kind.COUNTER, "seconds",
+           "Timed FFN steps split on the FFN rank's device timeline (afd_ray.observability.timeline), by "
+           "part: attention (waits for each later layer's rows: the attention rank's per-layer work and A2F), "
+           "wire (F2A copies and signals), ffn (FFN compute, EP collectives included), idle (previous step's "
+           "last F2A to the first layer's rows). Over the rate of afd_ffn_split_steps: seconds per step.",
+           (*_RANK, "part")),
+    Metric("afd_ffn_split_steps", Kind.COUNTER, "steps",
+           "FFN steps timed for afd_ffn_split_seconds: every step on CPU, one in "
+           "timeline.CUDA_SAMPLE_EVERY on CUDA, none starting over timeline.IDLE_GAP_S after the previous one.",
+           _RANK),
     Metric("afd_a2f_bytes", Kind.COUNTER, "bytes",
            "Bytes an FFN rank received from its attention peers (hidden states, and top-k ids and "
            "weights with gate_on_attention).", _RANK),

@@ -25,7 +25,8 @@ class FFNPublisher:
         self._metrics = MetricSet((
             "afd_ffn_steps", "afd_ffn_tokens", "afd_ffn_busy_seconds", "afd_ffn_tokens_per_step",
             "afd_ffn_queue_seconds", "afd_ffn_compute_seconds", "afd_ffn_ep_collective_seconds",
-            "afd_a2f_bytes", "afd_f2a_bytes", "afd_expert_tokens", "afd_expert_imbalance",
+            "afd_ffn_split_seconds", "afd_ffn_split_steps", "afd_a2f_bytes", "afd_f2a_bytes", "afd_expert_tokens",
+            "afd_expert_imbalance",
         ))  # fmt: skip
         self._stats = FFNStats()
         self._expert_tokens: list[int] = []
@@ -47,6 +48,11 @@ class FFNPublisher:
         m.inc("afd_ffn_busy_seconds", stats.busy_s - old.busy_s, tags)
         m.inc("afd_a2f_bytes", stats.a2f_bytes - old.a2f_bytes, tags)
         m.inc("afd_f2a_bytes", stats.f2a_bytes - old.f2a_bytes, tags)
+        split = stats.split - old.split
+        m.inc("afd_ffn_split_steps", split.steps, tags)
+        parts = {"attention": split.attention_s, "wire": split.wire_s, "ffn": split.ffn_s, "idle": split.idle_s}
+        for part, seconds in parts.items():
+            m.inc("afd_ffn_split_seconds", seconds, tags | {"part": part})
         self._stats = stats
         for step in steps:
             step_tags = tags | {"epoch": str(step.epoch)}
