@@ -3,19 +3,22 @@ it, else refuse it at once with 429 (or 503 while the pools resize or recover fr
 lost FFN rank) and `Retry-After`,
 instead of queueing without bound.
 
-A request is admitted when all of these hold (`Admission.admit`):
+A request is admitted in two steps. Before its body is read (`Admission.reserve`: a
+refused request costs no body transfer and no parsing):
 - queue room: fewer than `capacity` = READY attention ranks x
   (`attention.max_num_seqs` + `ingress.max_queued_per_rank`) requests in flight at this
-  ingress replica (counted exactly: +1 on admission, -1 when its answer ends);
+  ingress replica (counted exactly: +1 on `reserve`, -1 when its answer ends);
 - KV headroom: the attention ranks' KV-cache usage below `ingress.max_kv_cache_usage`;
-- FFN load: the FFN ranks' token rows per step below `ingress.max_ffn_tokens_per_step`;
-- its deadline, if any (`x-request-deadline-ms`), is feasible: the pool's p90 time to
-  first token plus `max_tokens` x its p90 time per output token fits in it (without
-  samples yet, every deadline is feasible).
+- FFN load: the FFN ranks' token rows per step below `ingress.max_ffn_tokens_per_step`.
 
-The load figures come from the coordinator (`PoolLoad`), read every `LOAD_PERIOD_S`;
-the in-flight count is the ingress's own. No call leaves the ingress while deciding,
-so a refusal takes well under 100 ms.
+Once its body is read (`Admission.admit`): its deadline, if any
+(`x-request-deadline-ms`), is feasible: the pool's p90 time to first token plus
+`max_tokens` x its p90 time per output token fits in it (without samples yet, every
+deadline is feasible).
+
+The load figures come from the coordinator (`PoolLoad`), read every `LOAD_PERIOD_S`
+in the background; the in-flight count is the ingress's own. No call leaves the
+ingress while deciding.
 """
 
 from __future__ import annotations
@@ -73,25 +76,47 @@ class Admission:
         (`max_num_seqs` + `max_queued_per_rank`); 0 before the first load."""
         return 0 if self.load is None else self.load.attention_ranks * self._per_rank
 
+    def reserve(self) -> Refusal | None:
+        """Reserve a place for one request whose body is not read yet, on the bounds
+        that need no body (ready ranks, queue room, KV headroom, FFN load), or say why
+        not (counted as refused). A reserved place counts in flight until `release`,
+        whatever `admit` then decides."""
+        refusal = self._check()
+        if refusal is not None:
+            self._refuse(refusal)
+        else:
+            self.in_flight += 1
+        return refusal
+
     def admit(self, deadline_s: float | None = None, max_tokens: int | None = None) -> Refusal | None:
-        """Admit one request (counted in flight until `release`) or say why not.
+        """Admit a request that holds a place (`reserve`), once its body is read, or
+        say why not (its deadline cannot be met); counted as admitted or refused. The
+        place is given back by `release` either way.
 
         Args:
             deadline_s: the request's time budget from now, seconds (None: none).
             max_tokens: tokens it may generate (None: unknown; only the time to first
                 token is checked against the deadline).
         """
-        refusal = self._check(deadline_s, max_tokens)
-        if refusal is None:
-            self.in_flight += 1
-            self._admitted += 1
-            return None
+        load = self.load
+        if deadline_s is not None and load is not None:
+            estimate = load.ttft_p90_s + (max_tokens or 0) * load.tpot_p90_s
+            if estimate > deadline_s:
+                refusal = Refusal(HTTPStatus.TOO_MANY_REQUESTS,
+                                  f"{DEADLINE_HEADER}: {deadline_s * 1e3:.0f} ms cannot be met (p90 time to first "
+                                  f"token {load.ttft_p90_s * 1e3:.0f} ms + {max_tokens or 0} tokens x p90 time per "
+                                  f"output token {load.tpot_p90_s * 1e3:.1f} ms)")  # fmt: skip
+                self._refuse(refusal)
+                return refusal
+        self._admitted += 1
+        return None
+
+    def _refuse(self, refusal: Refusal) -> None:
         if refusal.status == HTTPStatus.SERVICE_UNAVAILABLE:
             self._refused_503 += 1
         else:
             self._refused_429 += 1
         self._last_refusal = refusal.message
-        return refusal
 
     def not_ready(self) -> Refusal | None:
         """The 503 refusal of any request while no attention rank is READY (the
@@ -101,7 +126,7 @@ class Admission:
                            "(or its attention ranks are being replaced); see GET /afd/status")  # fmt: skip
         return None
 
-    def _check(self, deadline_s: float | None, max_tokens: int | None) -> Refusal | None:
+    def _check(self) -> Refusal | None:
         load, cfg = self.load, self._cfg
         if load is None or load.attention_ranks == 0:
             return self.not_ready()
@@ -123,17 +148,11 @@ class Admission:
         if bound is not None and load.ffn_tokens_per_step >= bound:
             return Refusal(status, f"FFN ranks run {load.ffn_tokens_per_step:.0f} token rows per step, at or above "
                            f"ingress.max_ffn_tokens_per_step {bound}{during}")  # fmt: skip
-        if deadline_s is not None:
-            estimate = load.ttft_p90_s + (max_tokens or 0) * load.tpot_p90_s
-            if estimate > deadline_s:
-                return Refusal(HTTPStatus.TOO_MANY_REQUESTS,
-                               f"{DEADLINE_HEADER}: {deadline_s * 1e3:.0f} ms cannot be met (p90 time to first "
-                               f"token {load.ttft_p90_s * 1e3:.0f} ms + {max_tokens or 0} tokens x p90 time per "
-                               f"output token {load.tpot_p90_s * 1e3:.1f} ms)")  # fmt: skip
         return None
 
     def release(self, expired: bool = False) -> None:
-        """An admitted request's answer ended (`expired`: its deadline ended it)."""
+        """A reserved request's place is given back: its answer ended (`expired`: its
+        deadline ended it), or it was refused or rejected after `reserve`."""
         self.in_flight -= 1
         self._expired += expired
 

@@ -7,6 +7,7 @@ the same deployment is fuzzed by tests/serve/test_fuzz.py).
 from __future__ import annotations
 
 import json
+import socket
 import statistics
 import threading
 import time
@@ -82,16 +83,50 @@ def _wait_admission(http: httpx.Client, ok: Callable[[dict], bool], within_s: fl
 HOLD_TOKENS = 160
 """Tokens of each stream that holds the capacity while refusals are timed: the first
 of them ends seconds after the probes (about 40 ms per step on a loaded 2-core machine)."""
+BURST_MEDIAN_S, BURST_P90_S = 1.0, 2.0
+"""Bounds on the burst's refusals, measured at the client: the median and the 90th
+percentile of the time to the response headers, seconds. Under a burst each refusal
+waits for Serve's HTTP proxy to pass it to the ingress and its answer back: on the
+loaded 2-core machine a Serve app that refuses at once with no work of its own took
+about 210 ms median (320 ms p90) for 16 requests at once, and the ingress's own
+decision takes under 1 ms (README "Overload, access and failures"). So the issue's 100 ms
+is met only where the proxy allows it; these bounds are over 3x the worst seen (266 ms
+median, 565 ms p90 at a load average of 11)."""
+
+
+def _refused_before_its_body(client: httpx.Client) -> tuple[bytes, float]:
+    """POST /v1/completions over a raw socket, sending the headers and only half of
+    the body its `Content-Length` announces: the response head, and seconds to it.
+
+    Raises:
+        TimeoutError: no answer within 10 s (the ingress waited for the body).
+    """
+    url = client.base_url
+    body = json.dumps(_completion(stream=False)).encode()
+    head = (f"POST {url.path.rstrip('/')}/v1/completions HTTP/1.1\r\nHost: {url.host}\r\n"
+            f"Authorization: {USER['Authorization']}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()  # fmt: skip
+    with socket.create_connection((url.host, url.port), timeout=10) as connection:
+        sent = time.monotonic()
+        connection.sendall(head + body[: len(body) // 2])
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            chunk = connection.recv(4096)
+            assert chunk, answer
+            answer += chunk
+        return answer.partition(b"\r\n\r\n")[0], time.monotonic() - sent
 
 
 def test_overload_is_refused_at_once(guarded: httpx.Client) -> None:
     """5x the capacity at once: 200s whose streams complete, and 429s with
     `Retry-After`; nothing hangs (each thread is joined with a bound), and every
-    admitted request is given back. Then, with the capacity held by long streams,
-    refusals come at once: each of 10 sequential probes is a 429 well before any held
-    stream frees a slot (under 1 s; the holders run for several seconds), the fastest
-    within 100 ms. The median is printed: on a loaded 2-core machine Serve's proxy hop
-    alone can take longer than 100 ms, so it is reported, not asserted."""
+    admitted request is given back. The burst's refusals, timed at the client, are
+    within `BURST_MEDIAN_S` (median) and `BURST_P90_S` (90th percentile). Then, with
+    the capacity held by long streams: a refusal is decided from the headers, before
+    the body is read (a request whose body never finishes still gets its 429; it
+    hung before), and each of 10 sequential probes is a 429 well before any held
+    stream frees a slot (under 1 s; the holders run for several seconds), the
+    fastest within 100 ms."""
     assert guarded.post("/v1/completions", json=_completion(stream=False), headers=USER).status_code == 200  # warm
     before = _wait_admission(guarded, lambda a: a["in_flight"] == 0)
     n = 5 * CAPACITY
@@ -112,10 +147,14 @@ def test_overload_is_refused_at_once(guarded: httpx.Client) -> None:
     assert after["admitted"] - before["admitted"] == len(ok)
     assert after["refused_429"] + after["refused_503"] - before["refused_429"] - before["refused_503"] == len(refused)
     assert "max_queued_per_rank" in after["last_refusal"]
+    burst = sorted(a.headers_s for a in refused)
+    median, p90 = statistics.median(burst), burst[int(0.9 * (len(burst) - 1))]
 
     holders, long, hold = _burst(guarded, CAPACITY, HOLD_TOKENS)
     hold.wait(60)
     _wait_admission(guarded, lambda a: a["in_flight"] == CAPACITY)
+    head, unfinished_s = _refused_before_its_body(guarded)
+    assert head.startswith(b"HTTP/1.1 429") and b"\r\nretry-after: 2" in head.lower(), head
     probes = []
     for _ in range(10):
         sent = time.monotonic()
@@ -126,12 +165,13 @@ def test_overload_is_refused_at_once(guarded: httpx.Client) -> None:
         thread.join(180)
     assert not any(thread.is_alive() for thread in long), "a held stream hung"
     assert all(a.status == 200 and a.done and a.tokens == HOLD_TOKENS for a in holders), holders
-    burst = sorted(a.headers_s for a in refused)
-    print(f"\noverload: {len(ok)} x 200, {len(refused)} refused; burst refusals in "
-          f"{statistics.median(burst) * 1e3:.0f} ms median, {burst[-1] * 1e3:.0f} ms max; sequential refusals "
-          f"{min(probes) * 1e3:.1f} ms min, {statistics.median(probes) * 1e3:.1f} ms median, "
-          f"{max(probes) * 1e3:.1f} ms max")  # fmt: skip
+    print(f"\noverload: {len(ok)} x 200, {len(refused)} refused; burst refusals in {median * 1e3:.0f} ms median, "
+          f"{p90 * 1e3:.0f} ms p90, {burst[-1] * 1e3:.0f} ms max; a refusal before its body in "
+          f"{unfinished_s * 1e3:.0f} ms; sequential refusals {min(probes) * 1e3:.1f} ms min, "
+          f"{statistics.median(probes) * 1e3:.1f} ms median, {max(probes) * 1e3:.1f} ms max")  # fmt: skip
+    assert median < BURST_MEDIAN_S and p90 < BURST_P90_S, burst
     assert min(probes) < 0.1 and max(probes) < 1.0, probes
+    _wait_admission(guarded, lambda a: a["in_flight"] == 0)
 
 
 def test_deadline_header(guarded: httpx.Client) -> None:

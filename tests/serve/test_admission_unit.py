@@ -20,40 +20,54 @@ def _admission(**bounds: object) -> Admission:
     return Admission(IngressConfig(max_queued_per_rank=1, **bounds), max_num_seqs=2)
 
 
+def _admit(admission: Admission, deadline_s: float | None = None, max_tokens: int | None = None) -> object:
+    """Both steps, as the ingress takes them: `reserve` (headers), then `admit` (body)."""
+    refusal = admission.reserve()
+    if refusal is not None:
+        return refusal
+    refusal = admission.admit(deadline_s, max_tokens)
+    if refusal is not None:
+        admission.release()
+    return refusal
+
+
 def test_queue_room_is_counted_exactly() -> None:
     admission = _admission()
-    assert admission.admit().status == HTTPStatus.SERVICE_UNAVAILABLE  # no load read yet: no rank
+    assert admission.reserve().status == HTTPStatus.SERVICE_UNAVAILABLE  # no load read yet: no rank
     admission.update(PoolLoad(attention_ranks=2))
     assert admission.capacity == 6
-    assert [admission.admit() for _ in range(6)] == [None] * 6
-    refusal = admission.admit()
+    assert [_admit(admission) for _ in range(5)] == [None] * 5
+    assert admission.reserve() is None  # the 6th place, its body not read yet: it counts
+    refusal = admission.reserve()
     assert refusal.status == HTTPStatus.TOO_MANY_REQUESTS and "max_queued_per_rank" in refusal.message
-    admission.release()
-    assert admission.admit() is None
+    admission.release()  # the 6th body did not validate (400): neither admitted nor refused
+    assert _admit(admission) is None
     admission.update(PoolLoad(attention_ranks=2, resizing=True))
-    assert admission.admit().status == HTTPStatus.SERVICE_UNAVAILABLE  # full while resizing: 503
+    assert admission.reserve().status == HTTPStatus.SERVICE_UNAVAILABLE  # full while resizing: 503
     state = admission.state()
-    assert (state.in_flight, state.admitted, state.refused_429, state.refused_503) == (6, 7, 1, 2)
+    assert (state.in_flight, state.admitted, state.refused_429, state.refused_503) == (6, 6, 1, 2)
 
 
 def test_kv_and_ffn_bounds() -> None:
     admission = _admission(max_kv_cache_usage=0.5, max_ffn_tokens_per_step=8)
     admission.update(PoolLoad(attention_ranks=1, kv_cache_usage=0.5))
-    assert "ingress.max_kv_cache_usage" in admission.admit().message
+    assert "ingress.max_kv_cache_usage" in admission.reserve().message
     admission.update(PoolLoad(attention_ranks=1, kv_cache_usage=0.4, ffn_tokens_per_step=8))
-    assert "ingress.max_ffn_tokens_per_step" in admission.admit().message
+    assert "ingress.max_ffn_tokens_per_step" in admission.reserve().message
     admission.update(PoolLoad(attention_ranks=1, kv_cache_usage=0.4, ffn_tokens_per_step=7.5))
-    assert admission.admit() is None
+    assert _admit(admission) is None
 
 
 def test_deadline_feasibility() -> None:
     admission = _admission()
     admission.update(PoolLoad(attention_ranks=1))
-    assert admission.admit(deadline_s=0.001, max_tokens=100) is None  # no latency samples yet
+    assert _admit(admission, deadline_s=0.001, max_tokens=100) is None  # no latency samples yet
     admission.update(PoolLoad(attention_ranks=1, ttft_p90_s=0.2, tpot_p90_s=0.01))
-    assert admission.admit(deadline_s=1.3, max_tokens=100) is None  # 0.2 + 100 x 0.01 = 1.2 s
-    refusal = admission.admit(deadline_s=1.1, max_tokens=100)
+    assert _admit(admission, deadline_s=1.3, max_tokens=100) is None  # 0.2 + 100 x 0.01 = 1.2 s
+    refusal = _admit(admission, deadline_s=1.1, max_tokens=100)
     assert refusal.status == HTTPStatus.TOO_MANY_REQUESTS and "x-request-deadline-ms" in refusal.message
+    state = admission.state()  # the refused request's place was given back
+    assert (state.in_flight, state.admitted, state.refused_429) == (2, 2, 1)
 
 
 def test_capacity_must_fit_the_ingress() -> None:
