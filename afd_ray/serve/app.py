@@ -88,7 +88,7 @@ def build_app(args: dict[str, object]) -> Application:
         max_ongoing_requests=cfg.ingress.max_ongoing_requests,
         ray_actor_options={"num_cpus": 0},
     )
-    return ingress.bind(attention, coordinator, ffn, cfg.attention, cfg.ffn, cfg.ingress, access)
+    return ingress.bind(attention, coordinator, ffn, cfg.attention, cfg.ffn, cfg.ingress, cfg.autoscale, access)
 
 
 def _member_placement(platform: Platform, amount: float, placement: PoolPlacement) -> dict[str, object]:

@@ -23,7 +23,7 @@ import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -44,7 +44,7 @@ from afd_ray.compat import (
     clean_loc_for_param,
     create_error_response,
 )
-from afd_ray.config import AttentionPoolConfig, FFNPoolConfig, IngressConfig
+from afd_ray.config import AttentionPoolConfig, AutoscaleConfig, FFNPoolConfig, IngressConfig
 from afd_ray.control.membership import PoolLoad, ScaleRequest
 from afd_ray.serve.access import AccessKeys, Role
 from afd_ray.serve.admission import DEADLINE_HEADER, LOAD_PERIOD_S, Admission, Refusal
@@ -67,8 +67,10 @@ _Endpoint = TypeVar("_Endpoint", bound=Callable[..., Awaitable[Response]])
 _CALL_S = 10.0
 """Bound on a call of a route that is not inference (health, model list, status) to
 a pool member or the coordinator, seconds: a Serve handle call waits for a running
-replica without bound (an attention rank still starting), so past this the route
-answers 503 with `Retry-After` instead of hanging."""
+replica without bound (an attention rank still starting, a hung coordinator), so past
+this the route answers 503 with `Retry-After` instead of hanging. A coordinator that
+has answered none of the ingress's load reads for this long is taken as down: its
+routes answer 503 at once (`Ingress._ask`)."""
 
 
 def _error_response(error: ErrorResponse) -> JSONResponse:
@@ -381,16 +383,16 @@ def _unavailable(message: str, retry_after_s: int) -> JSONResponse:
     return _refused(Refusal(HTTPStatus.SERVICE_UNAVAILABLE, message), retry_after_s)
 
 
-async def _bounded(call: Awaitable[_T], what: str) -> _T:
-    """`call`'s result within `_CALL_S`.
+async def _bounded(call: Awaitable[_T], what: str, within_s: float = _CALL_S) -> _T:
+    """`call`'s result within `within_s` seconds.
 
     Raises:
-        TimeoutError: no answer within `_CALL_S` (`what` names who did not answer).
+        TimeoutError: no answer in time (`what` names who did not answer).
     """
     try:
-        return await asyncio.wait_for(call, _CALL_S)
+        return await asyncio.wait_for(call, within_s)
     except TimeoutError:
-        raise TimeoutError(f"{what} did not answer within {_CALL_S:.0f} s") from None
+        raise TimeoutError(f"{what} did not answer within {within_s:.0f} s") from None
 
 
 def _unauthorized(message: str) -> JSONResponse:
@@ -430,6 +432,8 @@ class Ingress:
         attention_pool, ffn_pool: the pools' resize bounds (`min_ranks`, `max_ranks`),
             checked on `POST /afd/scale`; `attention_pool.max_num_seqs` for admission.
         ingress: admission bounds and `Retry-After`.
+        autoscale: `resize_timeout_s`, which (plus `_CALL_S`) bounds the wait of
+            `POST /afd/scale`.
         access: the API and admin keys (read by the app builder from the environment).
     """
 
@@ -441,6 +445,7 @@ class Ingress:
         attention_pool: AttentionPoolConfig,
         ffn_pool: FFNPoolConfig,
         ingress: IngressConfig,
+        autoscale: AutoscaleConfig,
         access: AccessKeys,
     ) -> None:
         self._bounds = {"attention": attention_pool, "ffn": ffn_pool}
@@ -451,6 +456,9 @@ class Ingress:
         self._access = access
         self._retry_after_s = ingress.retry_after_s
         self._admission = Admission(ingress, attention_pool.max_num_seqs)
+        self._scale_s = autoscale.resize_timeout_s + _CALL_S
+        self._coordinator_answered = time.monotonic()
+        """When the coordinator last answered a load read (monotonic seconds)."""
         self._loader = asyncio.get_running_loop().create_task(self._follow_load())
 
     async def _follow_load(self) -> None:
@@ -466,8 +474,22 @@ class Ingress:
 
     async def _read_load(self) -> None:
         load: PoolLoad | None = await asyncio.wait_for(self._coordinator.pool_load.remote(), 4 * LOAD_PERIOD_S)
+        self._coordinator_answered = time.monotonic()
         if load is not None:
             self._admission.update(load)
+
+    async def _ask(self, method: DeploymentHandle, *args: object, within_s: float = _CALL_S) -> Any:
+        """`method.remote(*args)`'s result from the coordinator, within `within_s`.
+
+        Raises:
+            TimeoutError: the coordinator has answered none of the load reads
+                (`_follow_load`) for `_CALL_S`, so it is down or hung (raised at once,
+                no call is made), or it did not answer within `within_s`.
+        """
+        silent_s = time.monotonic() - self._coordinator_answered
+        if silent_s >= _CALL_S:
+            raise TimeoutError(f"the coordinator has answered nothing for {silent_s:.0f} s (down or hung)")
+        return await _bounded(method.remote(*args), "the coordinator", within_s)
 
     async def _reserve(self, raw: Request) -> Response | None:
         """Access control, then admission's first step, from `raw`'s headers and the
@@ -576,7 +598,7 @@ class Ingress:
         """The coordinator's view of both pools (`AFDStatus`), with this ingress
         replica's admission state (`admission`)."""
         try:
-            status = await _bounded(self._coordinator.status.remote(), "the coordinator")
+            status = await self._ask(self._coordinator.status)
         except TimeoutError as exc:
             return _unavailable(str(exc), self._retry_after_s)
         status = status.model_copy(update={"admission": self._admission.state()})
@@ -588,7 +610,7 @@ class Ingress:
         pools (`afd_ray.observability.steps.TokenBreakdown`), or 404 when no step
         record names it (unknown id, or older than the ring buffers)."""
         try:
-            steps = await _bounded(self._coordinator.trace.remote(request_id), "the coordinator")
+            steps = await self._ask(self._coordinator.trace, request_id)
         except TimeoutError as exc:
             return _unavailable(str(exc), self._retry_after_s)
         if not steps:
@@ -604,7 +626,9 @@ class Ingress:
     async def afd_scale(self, request: Request) -> Response:
         """Resize the pools to the body's `{"attention": int, "ffn": int}` and answer
         once the new layout serves, with the `ResizeEvent` (200), or 504 with the
-        event if it did not complete. A body that does not fit, or a size outside
+        event if it did not complete; 503 with `Retry-After` if the coordinator does
+        not answer within `autoscale.resize_timeout_s` + `_CALL_S` (at once when it
+        is down: `_ask`). A body that does not fit, or a size outside
         the pool's `min_ranks`..`max_ranks`, is a 400 naming the field. Pauses the
         autoscaler until `POST /afd/autoscale/resume`. An accepted resize runs to its
         end even if the client disconnects; its event is in `/afd/status` `resizes`.
@@ -631,7 +655,11 @@ class Ingress:
                     code=HTTPStatus.BAD_REQUEST,
                 )
                 return _error_response(ErrorResponse(error=error))
-        event = await self._coordinator.scale.remote(scale)
+        try:
+            event = await self._ask(self._coordinator.scale, scale, within_s=self._scale_s)
+        except TimeoutError as exc:
+            return _unavailable(f"{exc}; a resize it accepted runs to its end: see GET /afd/status `resizes`",
+                                self._retry_after_s)  # fmt: skip
         status = HTTPStatus.OK if event.error is None else HTTPStatus.GATEWAY_TIMEOUT
         return JSONResponse(event.model_dump(mode="json"), status_code=status)
 
@@ -643,7 +671,8 @@ class Ingress:
         and the running policy stays. A deployment started without an autoscaler
         (`autoscale.enabled: false`) runs one from then on; a pause by a manual resize
         stays. Answers the policy now in force, `autoscale_enabled` and
-        `autoscale_paused`."""
+        `autoscale_paused`; 503 with `Retry-After` if the coordinator does not answer
+        within `_CALL_S`."""
         try:
             policy = parse_policy((await request.body()).decode(errors="replace"), "body")
         except PolicyError as exc:
@@ -654,8 +683,11 @@ class Ingress:
                 code=HTTPStatus.BAD_REQUEST,
             )
             return _error_response(ErrorResponse(error=error))
-        await self._coordinator.set_policy.remote(policy)
-        status = await self._coordinator.status.remote()
+        try:
+            await self._ask(self._coordinator.set_policy, policy)
+            status = await self._ask(self._coordinator.status)
+        except TimeoutError as exc:
+            return _unavailable(str(exc), self._retry_after_s)
         return JSONResponse(
             {
                 "policy": policy.model_dump(mode="json"),
@@ -673,8 +705,8 @@ class Ingress:
         if denied is not None:
             return _unauthorized(denied)
         try:
-            await _bounded(self._coordinator.resume_autoscaler.remote(), "the coordinator")
-            status = await _bounded(self._coordinator.status.remote(), "the coordinator")
+            await self._ask(self._coordinator.resume_autoscaler)
+            status = await self._ask(self._coordinator.status)
         except TimeoutError as exc:
             return _unavailable(str(exc), self._retry_after_s)
         return JSONResponse({"autoscale_paused": status.autoscale_paused, "autoscale_enabled": status.autoscale_enabled})
