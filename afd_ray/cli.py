@@ -5,7 +5,7 @@
     afd-ray scale --attention A --ffn F [--url URL]    # resize a running deployment
     afd-ray autoscale simulate --policy P.yaml (--trace T.jsonl | --ramp) [--out S.json] [--plot OUT.png]
     afd-ray autoscale record --url URL --out T.jsonl [--interval-s S] [--duration-s S]
-    afd-ray autoscale apply --policy P.yaml [--url URL]  # reload the policy of a running app
+    afd-ray autoscale apply --policy P.yaml [--url URL] [--admin-key-env VAR]  # reload the policy of a running app
     afd-ray profile (--model SRC | --tiny FAMILY) --out P.json  # colocated step split
     afd-ray plan --profile P.json --slo-tpot-ms MS --devices N  # which A:F ratio to run
     afd-ray trace REQUEST_ID [--url URL] [--json]      # per-token breakdown across the pools
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -132,9 +133,16 @@ def _autoscale_apply(args: argparse.Namespace) -> None:
     from afd_ray.autoscale.policy import load_policy
 
     load_policy(args.policy)  # a bad field is reported here, before anything is sent
+    headers = {}
+    if args.admin_key_env is not None:
+        key = os.environ.get(args.admin_key_env)
+        if not key:
+            raise ValueError(f"--admin-key-env: environment variable {args.admin_key_env} is unset or empty")
+        headers["Authorization"] = f"Bearer {key}"
     try:
         response = httpx.post(
-            f"{args.url.rstrip('/')}/afd/autoscale/policy", content=args.policy.read_bytes(), timeout=60
+            f"{args.url.rstrip('/')}/afd/autoscale/policy", content=args.policy.read_bytes(), headers=headers,
+            timeout=60,
         )
     except httpx.HTTPError as e:
         raise OSError(f"{args.url}: {e}") from e
@@ -225,6 +233,9 @@ def _add_autoscale(subparsers: argparse._SubParsersAction) -> None:
     )
     apply.add_argument("--policy", type=Path, required=True, help="policy YAML to apply")
     apply.add_argument("--url", default="http://127.0.0.1:8000", help="application URL (default: %(default)s)")
+    apply.add_argument(
+        "--admin-key-env", help="environment variable holding the admin key (when the app sets ingress.admin_key_env)"
+    )
     apply.set_defaults(handler=_autoscale_apply)
 
 

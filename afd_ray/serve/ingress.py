@@ -672,7 +672,10 @@ class Ingress:
         (`autoscale.enabled: false`) runs one from then on; a pause by a manual resize
         stays. Answers the policy now in force, `autoscale_enabled` and
         `autoscale_paused`; 503 with `Retry-After` if the coordinator does not answer
-        within `_CALL_S`."""
+        within `_CALL_S`. Needs the admin key when one is set (401)."""
+        denied = self._access.denied(request, Role.ADMIN)
+        if denied is not None:
+            return _unauthorized(denied)
         try:
             policy = parse_policy((await request.body()).decode(errors="replace"), "body")
         except PolicyError as exc:

@@ -197,6 +197,7 @@ ROUTES = [
      {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}, USER),
     ("POST", "/afd/scale", {"attention": 1, "ffn": 1}, ADMIN),
     ("POST", "/afd/autoscale/resume", None, ADMIN),
+    ("POST", "/afd/autoscale/policy", {}, ADMIN),  # an empty policy: 1:1, no signals
 ]  # fmt: skip
 
 
