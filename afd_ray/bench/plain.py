@@ -103,4 +103,6 @@ def build_plain_app(cfg: AFDConfig) -> Application:
         max_ongoing_requests=cfg.ingress.max_ongoing_requests,
         ray_actor_options={"num_cpus": 0},
     )
-    return ingress.bind(plain, plain, plain, cfg.attention, cfg.ffn, cfg.ingress, AccessKeys.from_env(cfg.ingress))
+    return ingress.bind(
+        plain, plain, plain, cfg.attention, cfg.ffn, cfg.ingress, cfg.autoscale, AccessKeys.from_env(cfg.ingress)
+    )
