@@ -2,7 +2,7 @@
 
     afd-ray models prepare {smollm2,smollm2-moe} [--cache DIR]  # prints the checkpoint folder
     afd-ray models tiny FAMILY OUT_DIR [--seed N]      # prints OUT_DIR
-    afd-ray scale --attention A --ffn F [--url URL]    # resize a running deployment
+    afd-ray scale --attention A --ffn F [--url URL] [--admin-key-env VAR]  # resize a running deployment
     afd-ray autoscale simulate --policy P.yaml (--trace T.jsonl | --ramp) [--out S.json] [--plot OUT.png]
     afd-ray autoscale record --url URL --out T.jsonl [--interval-s S] [--duration-s S]
     afd-ray autoscale apply --policy P.yaml [--url URL] [--admin-key-env VAR]  # reload the policy of a running app
@@ -133,22 +133,36 @@ def _autoscale_apply(args: argparse.Namespace) -> None:
     from afd_ray.autoscale.policy import load_policy
 
     load_policy(args.policy)  # a bad field is reported here, before anything is sent
-    headers = {}
-    if args.admin_key_env is not None:
-        key = os.environ.get(args.admin_key_env)
-        if not key:
-            raise ValueError(f"--admin-key-env: environment variable {args.admin_key_env} is unset or empty")
-        headers["Authorization"] = f"Bearer {key}"
     try:
         response = httpx.post(
-            f"{args.url.rstrip('/')}/afd/autoscale/policy", content=args.policy.read_bytes(), headers=headers,
-            timeout=60,
+            f"{args.url.rstrip('/')}/afd/autoscale/policy", content=args.policy.read_bytes(),
+            headers=_admin_headers(args.admin_key_env), timeout=60,
         )
     except httpx.HTTPError as e:
         raise OSError(f"{args.url}: {e}") from e
     if response.status_code != 200:
         raise ValueError(f"{response.status_code}: {response.text}")
     print(response.text)
+
+
+def _admin_headers(variable: str | None) -> dict[str, str]:
+    """`Authorization: Bearer <key>` with the admin key read from `variable` (None: none).
+
+    Raises:
+        ValueError: the variable is unset or empty (named as `--admin-key-env`).
+    """
+    if variable is None:
+        return {}
+    key = os.environ.get(variable)
+    if not key:
+        raise ValueError(f"--admin-key-env: environment variable {variable} is unset or empty")
+    return {"Authorization": f"Bearer {key}"}
+
+
+def _add_admin_key(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--admin-key-env", help="environment variable holding the admin key (when the app sets ingress.admin_key_env)"
+    )
 
 
 def _add_autoscale(subparsers: argparse._SubParsersAction) -> None:
@@ -233,9 +247,7 @@ def _add_autoscale(subparsers: argparse._SubParsersAction) -> None:
     )
     apply.add_argument("--policy", type=Path, required=True, help="policy YAML to apply")
     apply.add_argument("--url", default="http://127.0.0.1:8000", help="application URL (default: %(default)s)")
-    apply.add_argument(
-        "--admin-key-env", help="environment variable holding the admin key (when the app sets ingress.admin_key_env)"
-    )
+    _add_admin_key(apply)
     apply.set_defaults(handler=_autoscale_apply)
 
 
@@ -252,8 +264,9 @@ def _scale(args: argparse.Namespace) -> None:
 
     url = args.url.rstrip("/")
     body = {"attention": args.attention, "ffn": args.ffn}
+    headers = _admin_headers(args.admin_key_env)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        answer = pool.submit(httpx.post, f"{url}/afd/scale", json=body, timeout=args.timeout)
+        answer = pool.submit(httpx.post, f"{url}/afd/scale", json=body, headers=headers, timeout=args.timeout)
         _follow_resize(url, answer, args.attention + args.ffn)
         try:
             response = answer.result()
@@ -294,6 +307,7 @@ def _add_scale(subparsers: argparse._SubParsersAction) -> None:
     scale.add_argument("--ffn", type=int, required=True, help="FFN ranks")
     scale.add_argument("--url", default="http://127.0.0.1:8000", help="the deployment's HTTP address")
     scale.add_argument("--timeout", type=_positive_s, default=900.0, help="seconds to wait (default: 900)")
+    _add_admin_key(scale)
     scale.set_defaults(handler=_scale)
 
 

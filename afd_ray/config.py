@@ -263,6 +263,12 @@ class IngressConfig(_Section):
     retry_after_s: int = Field(1, ge=1)
     """`Retry-After` of a refused request (429/503), seconds."""
 
+    body_timeout_s: float = Field(30.0, gt=0)
+    """An admitted inference request's body must arrive whole within this, seconds;
+    else it is answered 408 and its admission place is given back (admission is
+    decided on the headers, so a client that stalls its upload would otherwise hold
+    a place for as long as it keeps the connection open)."""
+
     api_key_env: str | None = None
     """Name of the environment variable that holds the API key of the OpenAI routes
     (`Authorization: Bearer <key>`); None: the routes are open. The key itself never

@@ -53,12 +53,16 @@ def test_cli_apply_rejects_a_bad_file_before_sending(tmp_path: Path, capsys: pyt
     assert "ffn.step" in err and "127.0.0.1:9" not in err  # validated locally, nothing sent
 
 
-def test_cli_apply_names_an_unset_admin_key_variable(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize(
+    "command",
+    [["autoscale", "apply", "--policy", str(SHIPPED)], ["scale", "--attention", "1", "--ffn", "1"]],
+    ids=["autoscale-apply", "scale"],
+)
+def test_cli_names_an_unset_admin_key_variable(
+    command: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.delenv("AFD_TEST_UNSET_ADMIN_KEY", raising=False)
     with pytest.raises(SystemExit) as exit_info:
-        main(["autoscale", "apply", "--policy", str(SHIPPED), "--url", "http://127.0.0.1:9",
-              "--admin-key-env", "AFD_TEST_UNSET_ADMIN_KEY"])  # fmt: skip
+        main([*command, "--url", "http://127.0.0.1:9", "--admin-key-env", "AFD_TEST_UNSET_ADMIN_KEY"])
     assert exit_info.value.code == 1
     assert "--admin-key-env: environment variable AFD_TEST_UNSET_ADMIN_KEY is unset" in capsys.readouterr().err

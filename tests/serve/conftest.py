@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from guarded_app import ADMIN_KEY, API_KEY, MAX_NUM_SEQS, NAME, PREFIX, QUEUED
+from guarded_app import ADMIN_KEY, API_KEY, BODY_TIMEOUT_S, MAX_NUM_SEQS, NAME, PREFIX, QUEUED
 from ray import serve
 
 from afd_ray.models.tiny import build_tiny
@@ -21,7 +21,7 @@ def guarded(serve_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     args = {
         "model": {"source": str(checkpoint), "served_name": "tiny", "max_model_len": 512},
         "ingress": {"max_ongoing_requests": 64, "max_queued_per_rank": QUEUED, "retry_after_s": 2,
-                    "api_key_env": "AFD_TEST_API_KEY", "admin_key_env": "AFD_TEST_ADMIN_KEY"},
+                    "body_timeout_s": BODY_TIMEOUT_S, "api_key_env": "AFD_TEST_API_KEY", "admin_key_env": "AFD_TEST_ADMIN_KEY"},
         "attention": {"num_ranks": 1, "kv_cache_gib": 0.125, "max_num_seqs": MAX_NUM_SEQS, "bundle_resources": 0.5},
         "ffn": {"num_ranks": 1, "bundle_resources": 0.5},
     }  # fmt: skip

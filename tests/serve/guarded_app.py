@@ -7,5 +7,7 @@ MAX_NUM_SEQS, QUEUED = 2, 2
 CAPACITY = MAX_NUM_SEQS + QUEUED
 """Requests the one attention rank may hold: `max_num_seqs` + `max_queued_per_rank`."""
 MAX_TOKENS = 24
+BODY_TIMEOUT_S = 3.0
+"""`ingress.body_timeout_s`: an admitted request's body must arrive within it."""
 USER = {"Authorization": f"Bearer {API_KEY}"}
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}

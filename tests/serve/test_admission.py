@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from guarded_app import ADMIN, API_KEY, CAPACITY, MAX_TOKENS, USER
+from guarded_app import ADMIN, API_KEY, BODY_TIMEOUT_S, CAPACITY, MAX_TOKENS, USER
 
 from afd_ray.serve.app import build_app
 
@@ -94,12 +94,12 @@ is met only where the proxy allows it; these bounds are over 3x the worst seen (
 median, 565 ms p90 at a load average of 11)."""
 
 
-def _refused_before_its_body(client: httpx.Client) -> tuple[bytes, float]:
+def _answer_to_half_a_body(client: httpx.Client) -> tuple[bytes, float]:
     """POST /v1/completions over a raw socket, sending the headers and only half of
     the body its `Content-Length` announces: the response head, and seconds to it.
 
     Raises:
-        TimeoutError: no answer within 10 s (the ingress waited for the body).
+        TimeoutError: no answer within 10 s.
     """
     url = client.base_url
     body = json.dumps(_completion(stream=False)).encode()
@@ -153,7 +153,7 @@ def test_overload_is_refused_at_once(guarded: httpx.Client) -> None:
     holders, long, hold = _burst(guarded, CAPACITY, HOLD_TOKENS)
     hold.wait(60)
     _wait_admission(guarded, lambda a: a["in_flight"] == CAPACITY)
-    head, unfinished_s = _refused_before_its_body(guarded)
+    head, unfinished_s = _answer_to_half_a_body(guarded)
     assert head.startswith(b"HTTP/1.1 429") and b"\r\nretry-after: 2" in head.lower(), head
     probes = []
     for _ in range(10):
@@ -172,6 +172,19 @@ def test_overload_is_refused_at_once(guarded: httpx.Client) -> None:
     assert median < BURST_MEDIAN_S and p90 < BURST_P90_S, burst
     assert min(probes) < 0.1 and max(probes) < 1.0, probes
     _wait_admission(guarded, lambda a: a["in_flight"] == 0)
+
+
+def test_a_stalled_body_gives_its_place_back(guarded: httpx.Client) -> None:
+    """An admitted request whose body stops halfway is answered 408 naming the body
+    after `ingress.body_timeout_s`, and its admission place is given back (a client
+    that stalled its uploads held every place for as long as it kept them open)."""
+    _wait_admission(guarded, lambda a: a["in_flight"] == 0)
+    head, waited_s = _answer_to_half_a_body(guarded)
+    assert head.startswith(b"HTTP/1.1 408"), head
+    assert BODY_TIMEOUT_S <= waited_s < BODY_TIMEOUT_S + 5, waited_s
+    _wait_admission(guarded, lambda a: a["in_flight"] == 0)
+    response = guarded.post("/v1/completions", json=_completion(stream=False, max_tokens=2), headers=USER)
+    assert response.status_code == 200, response.text
 
 
 def test_deadline_header(guarded: httpx.Client) -> None:
