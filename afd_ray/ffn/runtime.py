@@ -371,6 +371,9 @@ class FFNRuntime:
         the first step that uses them."""
         compute = self._compute
         if compute is None or compute.model is not self.model or compute.ep is not self.ep:
+            if self._ubatches > 1 and self.ep is not None:
+                logger.warning("ffn.ubatches %d has no effect in this layout: with EP (%d FFN ranks) a step runs "
+                               "as one ubatch", self._ubatches, self.ep.size)  # fmt: skip
             buckets = self._graph_buckets if graphs_supported(self.model, self._dtype) else ()
             compute = self._compute = FFNGraphs(self.model, self.ep, self._dtype, buckets)
         return compute
