@@ -43,7 +43,7 @@ SWEEP_LAYOUTS = ("1A1F", "2A1F")
 CONCURRENCY, MAX_TOKENS, PROMPT = 4, 32, "The quick brown fox jumps over the lazy dog, again and again and again."
 REGRET_BOUND = 0.25
 """The planner's best layout, as measured, may be at most this far below the measured
-best layout's decode tok/s (it may pick a different layout only if they are that close)."""
+best layout's tok/s (it may pick a different layout only if they are that close)."""
 
 
 def _run(name: str, parameters: dict[str, object], cwd: Path) -> nbformat.NotebookNode:
@@ -146,10 +146,14 @@ def test_profile_and_plan_agree_with_the_measured_sweep(sweep_json: Path, tiny_m
 
     model = PerformanceModel(profile, host_cores=host_cores)
     context = result.runs[0].prompt_tokens + MAX_TOKENS / 2
-    # The planner predicts decode steady state (TPOT; TTFT is not modelled), so it is
-    # checked against each run's decode rate: CONCURRENCY streams, one token per TPOT
-    # each. The wall rate (output tokens / wall time, prefill included) is shown beside it.
-    measured = {run.label: CONCURRENCY / (run.tpot.mean_ms / 1e3) for run in result.runs}
+    # The planner predicts decode steady state (TPOT; TTFT is not modelled). Its ranking is
+    # checked against each run's wall rate (output tokens / wall time, prefill included),
+    # not the client-side decode rate (CONCURRENCY streams, one token per TPOT each, shown
+    # beside it): on the loaded 2-core CI machine a layout's stream once arrived in one
+    # burst at its end (2A1F: ITL p90 0.0 ms, TPOT 2.4 ms, a "decode rate" of 1648 tok/s
+    # at a wall rate of 36 tok/s), and TPOT then measures delivery, not decoding.
+    decode = {run.label: CONCURRENCY / (run.tpot.mean_ms / 1e3) for run in result.runs}
+    measured = {run.label: run.output_tokens_per_s for run in result.runs}
     predicted = {
         run.label: model.estimate(
             Layout(run.topology.attention, run.topology.ffn, CONCURRENCY // run.topology.attention),
@@ -161,7 +165,7 @@ def test_profile_and_plan_agree_with_the_measured_sweep(sweep_json: Path, tiny_m
     print(f"{'layout':<8}{'load':>6}{'wall tok/s':>12}{'decode tok/s':>14}{'predicted':>11}{'error':>8}")
     for run in result.runs:
         label = run.label
-        print(f"{label:<8}{run.load_average_1m[0]:>6.1f}{run.output_tokens_per_s:>12.1f}{measured[label]:>14.1f}"
+        print(f"{label:<8}{run.load_average_1m[0]:>6.1f}{measured[label]:>12.1f}{decode[label]:>14.1f}"
               f"{predicted[label]:>11.1f}{predicted[label] / measured[label] - 1:>+8.0%}")
     best_measured = max(measured, key=measured.get)
     best_predicted = max(predicted, key=predicted.get)
