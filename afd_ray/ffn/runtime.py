@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 
@@ -409,25 +410,22 @@ class FFNRuntime:
         compute = self._layout_compute()
         tokens = sum(step.num_tokens for step in steps)
         ubatches = _ubatches(steps, self._ubatches if self.ep is None else 1)
-        groups = [self._group_inputs(compute, group) for group in ubatches]
+        groups = [self._ubatch(compute, group) for group in ubatches]
         layers = range(first_layer, self.model.num_layers)
         lost: set[int] = set()
         timeline = self._timeline
         marks = timeline.begin(start)  # arrived, computed, sent per layer and ubatch on a timed step
         for layer in layers:
-            for group, inputs, sizes in groups:
+            for group, inputs, sizes, hidden, topk in groups:
                 rows = sum(sizes)
-                hidden = inputs.hidden[:rows].split(sizes)  # per peer: a view [T_i, H] into the inputs
-                topk = None if inputs.routing is None else [t[:rows].split(sizes) for t in inputs.routing]
-                for i, step in enumerate(group):
+                for step, peer_rows, peer_topk in zip(group, hidden, topk):
                     if step.peer in lost:
                         continue
-                    peer_topk = None if topk is None else (topk[0][i], topk[1][i])  # [T_i, k] views
                     try:
-                        self.channel.recv_a2f(step.peer, hidden[i], peer_topk)
+                        self.channel.recv_a2f(step.peer, peer_rows, peer_topk)
                     except PeerLostError as exc:
                         self._lost(step.peer, layer, exc, lost)
-                        for part in (hidden[i], *(peer_topk or ())):
+                        for part in (peer_rows, *(peer_topk or ())):
                             part.zero_()  # finite rows for the rest of the step (expert 0, weight 0)
                 if marks is not None:
                     marks.append(timeline.clock.stamp())
@@ -452,7 +450,7 @@ class FFNRuntime:
         timeline.end(marks, time.perf_counter())
         row_bytes = self.model.hidden_size * self._dtype.itemsize  # one [H] row, one way
         layer_bytes = tokens * row_bytes  # [ΣT_i, H] one way, one layer
-        routing = groups[0][1].routing  # ids [R, k] int64, weights [R, k] float32
+        routing = groups[0].inputs.routing  # ids [R, k] int64, weights [R, k] float32
         topk_bytes = tokens * sum(t.shape[1] * t.element_size() for t in routing) if routing is not None else 0
         end = time.perf_counter()
         ep_s = self.ep.collective_s - ep_before if self.ep is not None else 0.0
@@ -479,19 +477,36 @@ class FFNRuntime:
         if split.steps:
             self.stats = replace(self.stats, split=self.stats.split + split)
 
-    def _group_inputs(
-        self, compute: FFNGraphs, group: list[StepHeader]
-    ) -> tuple[list[StepHeader], StepInputs, list[int]]:
-        """A ubatch's peers, the buffers its rows go to, and its rows per peer. With EP
-        the buffers hold the group's padded rows (the largest local count, the same on
-        every EP rank)."""
+    def _ubatch(self, compute: FFNGraphs, group: list[StepHeader]) -> _Ubatch:
+        """A ubatch of `group`'s peers and the views its rows go to, made once per step.
+        With EP the buffers hold the group's padded rows (the largest local count, the
+        same on every EP rank)."""
         sizes = [step.num_tokens for step in group]
-        return group, compute.inputs(sum(sizes) if self.ep is None else max(self.ep.step_tokens)), sizes
+        inputs = compute.inputs(sum(sizes) if self.ep is None else max(self.ep.step_tokens))
+        rows = sum(sizes)
+        hidden = inputs.hidden[:rows].split(sizes)
+        if inputs.routing is None:
+            topk: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(group)
+        else:
+            topk = list(zip(*(t[:rows].split(sizes) for t in inputs.routing)))
+        return _Ubatch(group, inputs, sizes, hidden, topk)
 
     @staticmethod
     def _lost(peer: int, layer: int, exc: PeerLostError, lost: set[int]) -> None:
         logger.warning("FFN lost attention rank %d at layer %d (%s); the step goes on without it", peer, layer, exc)
         lost.add(peer)
+
+
+class _Ubatch(NamedTuple):
+    """One ubatch of a step: its peers (`steps`), the buffers their rows go to, each
+    peer's rows `T_i`, and per peer the views `[T_i, H]` into `inputs.hidden` and, with
+    `gate_on_attention`, the top-k ids and weights `[T_i, k]` into `inputs.routing`."""
+
+    steps: list[StepHeader]
+    inputs: StepInputs
+    sizes: list[int]
+    hidden: tuple[torch.Tensor, ...]
+    topk: list[tuple[torch.Tensor, torch.Tensor] | None]
 
 
 def _ubatches(steps: list[StepHeader], count: int) -> list[list[StepHeader]]:
