@@ -131,7 +131,8 @@ def _deepseek_v2_routing(config: PretrainedConfig) -> RoutingSpec:
     `topk_group` groups of highest max score.
 
     `norm_topk_prob=True` renormalizes before scaling, as vLLM does (transformers
-    ignores it for V2; every released V2 config has it False).
+    ignores it for V2; every released V2 config has it False). Gate logits:
+    `_gate_logits_in_float32`.
     """
     method = config.topk_method
     if method not in ("greedy", "group_limited_greedy"):
@@ -149,13 +150,14 @@ def _deepseek_v2_routing(config: PretrainedConfig) -> RoutingSpec:
         correction_bias=False,
         renormalize=bool(config.norm_topk_prob),
         scaling_factor=config.routed_scaling_factor,
-        float32_logits=True,
+        float32_logits=_gate_logits_in_float32(config),
     )
 
 
 def _deepseek_v3_routing(config: PretrainedConfig) -> RoutingSpec:
     """DeepseekV3TopkRouter (`noaux_tc`): float32 sigmoid, `e_score_correction_bias`
-    for selection, groups ranked by the sum of their top-2 biased scores."""
+    for selection, groups ranked by the sum of their top-2 biased scores. Gate logits:
+    `_gate_logits_in_float32`."""
     method = getattr(config, "topk_method", "noaux_tc")
     scoring = getattr(config, "scoring_func", "sigmoid")
     if (method, scoring) != ("noaux_tc", "sigmoid"):
@@ -170,5 +172,16 @@ def _deepseek_v3_routing(config: PretrainedConfig) -> RoutingSpec:
         correction_bias=True,
         renormalize=bool(config.norm_topk_prob),
         scaling_factor=config.routed_scaling_factor,
-        float32_logits=True,
+        float32_logits=_gate_logits_in_float32(config),
     )
+
+
+def _gate_logits_in_float32(config: PretrainedConfig) -> bool:
+    """Whether a DeepSeek gate computes its logits in float32: only where the config
+    asks for it (`moe_router_dtype: float32`), as vLLM's `DeepseekV2MoE` does (its
+    `GateLinear` gets `out_dtype` from `_get_moe_router_dtype`, vLLM 0.26 and 0.32);
+    otherwise in the model dtype. transformers computes them in float32 always, but
+    the reference of the disaggregated model is the engine it replaces: in bfloat16
+    the rounding of the logits alone moved a tiny DeepSeek-V3's top-k choice and its
+    greedy tokens against plain vLLM (H200, 2026-12-02: 82 of 96 positions equal)."""
+    return getattr(config, "moe_router_dtype", None) == "float32"

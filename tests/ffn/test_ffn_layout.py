@@ -21,7 +21,7 @@ def test_layouts():
     assert v3.moe.shared_intermediate_size == 64
     assert v3.moe.routing == RoutingSpec(
         num_experts=8, top_k=2, scoring="sigmoid", num_groups=4, top_groups=2, group_score="top2_sum",
-        correction_bias=True, renormalize=True, scaling_factor=2.5, float32_logits=True,
+        correction_bias=True, renormalize=True, scaling_factor=2.5, float32_logits=False,
     )  # fmt: skip
     qwen = ffn_layout(tiny_config("qwen3_moe"))
     assert qwen.moe_layers == {0, 1} and qwen.moe.shared_intermediate_size == 0

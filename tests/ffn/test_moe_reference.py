@@ -71,6 +71,11 @@ def test_routing_matches_transformers(name, checkpoint, reference_model):
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])
 def test_bfloat16_close_to_transformers(name, checkpoint, reference_model):
+    """In bfloat16 the layer output stays close to transformers'. The routing follows
+    vLLM, the engine afd_ray replaces: Qwen3's gate and (without `moe_router_dtype`)
+    DeepSeek's compute their logits in bfloat16, so DeepSeek's top-k is checked
+    against vLLM's own `grouped_topk` on those logits (transformers routes DeepSeek
+    from float32 logits, which moves near-tie choices)."""
     folder = checkpoint(name)
     ref = reference_model(folder, torch.bfloat16)
     stack = load_ffn_stack(folder, torch.bfloat16, CPU)
@@ -83,11 +88,41 @@ def test_bfloat16_close_to_transformers(name, checkpoint, reference_model):
             torch.testing.assert_close(out, mlp(x[None])[0], atol=3e-2, rtol=3e-2)
             if isinstance(stack.layers[i], MoE):
                 gate = stack.layers[i].gate
-                # DeepSeek: float32 gate holding the bf16-rounded weight; bias kept float32 unrounded.
-                assert gate.weight.dtype == (torch.float32 if name == "deepseek_v3" else torch.bfloat16)
+                assert gate.weight.dtype == torch.bfloat16
                 assert torch.equal(gate.weight, mlp.gate.weight.to(gate.weight.dtype))
-                if gate.e_score_correction_bias is not None:
+                if gate.e_score_correction_bias is None:
+                    ref_ids = mlp.gate(x)[2]
+                else:
                     assert gate.e_score_correction_bias.dtype == torch.float32
                     assert torch.equal(gate.e_score_correction_bias, mlp.gate.e_score_correction_bias)
-                ref_ids = mlp.gate(x)[2]
-                assert torch.equal(gate(x).ids.sort(-1).values, ref_ids.sort(-1).values)
+                    ref_ids = _vllm_grouped_topk_ids(gate, x)
+                assert torch.equal(gate(x).ids.sort(-1).values, ref_ids.sort(-1).values.long())
+
+
+def _vllm_grouped_topk_ids(gate, x: torch.Tensor) -> torch.Tensor:
+    """vLLM's DeepSeek routing of `x` `[T, H]`: `GateLinear` without an `out_dtype`
+    (logits in the model dtype), then `grouped_topk`; `[T, k]` expert ids. The
+    uncompiled function: its `torch.compile` wrapper would build a CPU kernel here."""
+    from vllm.model_executor.layers.fused_moe.router.grouped_topk_router import grouped_topk
+
+    spec = gate.spec
+    logits = torch.nn.functional.linear(x, gate.weight)  # [T, E] bfloat16
+    route = getattr(grouped_topk, "_torchdynamo_orig_callable", grouped_topk)
+    _, ids = route(
+        x, logits, spec.top_k, spec.renormalize, spec.num_groups, spec.top_groups, spec.scoring,
+        spec.scaling_factor, gate.e_score_correction_bias,
+    )  # fmt: skip
+    return ids
+
+
+def test_deepseek_gate_in_float32_where_the_config_asks(checkpoint):
+    """`moe_router_dtype: float32` (vLLM's `_get_moe_router_dtype`) keeps the gate, and
+    its logits, in float32 in a bfloat16 model."""
+    from transformers import AutoConfig
+
+    from afd_ray.ffn.family import ffn_layout
+
+    config = AutoConfig.from_pretrained(checkpoint("deepseek_v3"))
+    assert not ffn_layout(config).moe.routing.float32_logits
+    config.moe_router_dtype = "float32"
+    assert ffn_layout(config).moe.routing.float32_logits
