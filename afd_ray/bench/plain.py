@@ -78,6 +78,11 @@ class PlainServer(AttentionServer):
             self._engine.shutdown()
 
 
+CONTROL_CALLS = 4
+"""Concurrent calls the plain replica takes beyond `attention.max_num_seqs`
+completions: the ingress's load reads, `/afd/status` and health calls."""
+
+
 def build_plain_app(cfg: AFDConfig) -> Application:
     """The plain-vLLM counterpart of `afd_ray.serve.app.build_app(cfg)`: one
     `PlainServer` replica with the attention pool's deployment options, behind the same
@@ -91,7 +96,10 @@ def build_plain_app(cfg: AFDConfig) -> Application:
         .options(
             name="plain",
             num_replicas=1,
-            max_ongoing_requests=cfg.attention.max_num_seqs,
+            # The replica is also the ingress's coordinator: its load reads and status
+            # calls must not queue behind a full batch of completions (the ingress
+            # then finds the coordinator silent and answers 503).
+            max_ongoing_requests=cfg.attention.max_num_seqs + CONTROL_CALLS,
             ray_actor_options=dict(actor_resources(cfg.platform, bundle)),
             placement_group_bundles=[{key: bundle}],
             placement_group_strategy="STRICT_PACK",
