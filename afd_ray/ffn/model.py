@@ -42,6 +42,9 @@ class FFNStack(nn.Module):
         ep_rank, ep_size: this rank's place in the EP group; MoE layers hold only
             the routed experts `placement.owned_experts(E, ep_size, ep_rank)`.
         gate_on_attention: the gate placement (DESIGN §2).
+        act_in_float32: rounding of the dense MLPs' and shared experts' activation,
+            as the attention engine's mode computes it (`GatedMLP`): True for
+            torch.compile'd engines, False for eager ones.
 
     Raises:
         ValueError: unsupported architecture or routing settings, a bad EP rank, or
@@ -55,6 +58,7 @@ class FFNStack(nn.Module):
         ep_rank: int = 0,
         ep_size: int = 1,
         gate_on_attention: bool = False,
+        act_in_float32: bool = False,
     ) -> None:
         super().__init__()
         layout = ffn_layout(config)
@@ -65,13 +69,15 @@ class FFNStack(nn.Module):
         self.moe_layers = layout.moe_layers
         self.gate_on_attention = gate_on_attention
         self.layer_ids = sorted(layout.moe_layers) if gate_on_attention else list(range(layout.num_layers))
-        dense = (layout.hidden_size, layout.intermediate_size, layout.hidden_act, layout.mlp_bias, dtype)
+        dense = (
+            layout.hidden_size, layout.intermediate_size, layout.hidden_act, layout.mlp_bias, dtype, act_in_float32
+        )
         layers: list[nn.Module] = []
         for i in self.layer_ids:
             if i in layout.moe_layers:
                 owned = owned_experts(layout.moe.routing.num_experts, ep_size, ep_rank)
                 moe = (layout.moe, owned, layout.hidden_size, layout.hidden_act, layout.mlp_bias, dtype)
-                layers.append(MoE(*moe, with_gate=not gate_on_attention))
+                layers.append(MoE(*moe, with_gate=not gate_on_attention, act_in_float32=act_in_float32))
             else:
                 layers.append(GatedMLP(*dense))
         self.layers = nn.ModuleList(layers)
@@ -125,14 +131,15 @@ def load_ffn_stack(
     gate_on_attention: bool = False,
     reuse: FFNStack | None = None,
     random_weights: bool = False,
+    act_in_float32: bool = False,
 ) -> FFNStack:
     """Build the FFN stack of `checkpoint` with only FFN-role tensors loaded.
 
     Parameters are created on the meta device, allocated on `device` uninitialized,
     then filled from the checkpoint, so no memory is spent on throwaway random init;
     an EP shard reads and allocates only its own routed experts. Tensors are rounded
-    to `dtype` (the router gate of DeepSeek then lives in float32) except
-    `e_score_correction_bias`, loaded as float32.
+    to `dtype` (a router gate with float32 logits keeps float32, `RoutingSpec`) except
+    `e_score_correction_bias`, loaded as float32. `act_in_float32`: see `FFNStack`.
 
     `reuse`: a stack of the same checkpoint, dtype and gate placement (another EP
     shard: an FFN resize). Every tensor it holds is copied from it instead of read from
@@ -150,7 +157,7 @@ def load_ffn_stack(
     """
     config = AutoConfig.from_pretrained(checkpoint)
     with torch.device("meta"):
-        stack = FFNStack(config, dtype, ep_rank, ep_size, gate_on_attention)
+        stack = FFNStack(config, dtype, ep_rank, ep_size, gate_on_attention, act_in_float32)
     stack.to_empty(device=device)
     if random_weights:
         for (layer, name), target in stack.checkpoint_tensors().items():

@@ -24,6 +24,7 @@ class MoE(nn.Module):
 
     Submodule names match the checkpoint's FFN block names
     (`afd_ray.weights.ffn_block_name`): `gate`, `experts`, `shared_experts`.
+    `act_in_float32`: the shared experts' activation rounding (`GatedMLP`).
     """
 
     def __init__(
@@ -35,6 +36,7 @@ class MoE(nn.Module):
         bias: bool,
         dtype: torch.dtype,
         with_gate: bool = True,
+        act_in_float32: bool = False,
     ) -> None:
         super().__init__()
         self.spec = shape.routing
@@ -43,7 +45,7 @@ class MoE(nn.Module):
         self.gate = Router(shape.routing, hidden_size, dtype) if with_gate else None
         self.experts = Experts(owned, hidden_size, shape.intermediate_size, hidden_act, dtype)
         self.shared_experts = (
-            GatedMLP(hidden_size, shape.shared_intermediate_size, hidden_act, bias, dtype)
+            GatedMLP(hidden_size, shape.shared_intermediate_size, hidden_act, bias, dtype, act_in_float32)
             if shape.shared_intermediate_size
             else None
         )

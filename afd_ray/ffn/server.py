@@ -76,9 +76,14 @@ class FFNServer:
         gate_placement: GatePlacement,
         coordinator: DeploymentHandle,
         observability: ObservabilityConfig = ObservabilityConfig(),
+        attention_compiled: bool = False,
     ) -> None:
         """Open the connector, register with the coordinator, load this rank's FFN-role
         weights (its EP shard of the routed experts), join the EP group, start the loop.
+
+        `attention_compiled`: the attention engines run torch.compile (not
+        `attention.enforce_eager`); the FFN blocks then round their gated activations
+        as a compiled vLLM engine does (`afd_ray.ffn.mlp.GatedMLP`).
 
         Raises:
             ValueError: the checkpoint's architecture has no FFN implementation.
@@ -93,6 +98,7 @@ class FFNServer:
         self._coordinator = coordinator
         self._load = (resolve_checkpoint(model), dtype, device, gate_placement == "gate_on_attention")
         self._random_weights = model.load_format == "dummy"
+        self._act_in_float32 = attention_compiled
         self._replica = serve.get_replica_context().replica_id.unique_id
         self._address = channel.address
         self.rank = await coordinator.register_ffn.remote(channel.address, self._replica)
@@ -121,6 +127,7 @@ class FFNServer:
         return load_ffn_stack(
             checkpoint, dtype, device, assignment.ep_rank, assignment.ep_size,
             gate_on_attention=gate_on_attention, reuse=reuse, random_weights=self._random_weights,
+            act_in_float32=self._act_in_float32,
         )
 
     async def _ep_group(self, stack: FFNStack, assignment: EPAssignment) -> EPGroup | None:

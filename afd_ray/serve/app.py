@@ -73,7 +73,8 @@ def build_app(args: dict[str, object]) -> Application:
         graceful_shutdown_timeout_s=cfg.autoscale.resize_timeout_s,
         **_member_placement(cfg.platform, cfg.ffn.bundle_resources, cfg.ffn.placement),
         health_check_period_s=_HEALTH_CHECK_PERIOD_S,
-    ).bind(cfg.platform, cfg.model, cfg.ffn, cfg.connector, cfg.gate_placement, coordinator, cfg.observability)
+    ).bind(cfg.platform, cfg.model, cfg.ffn, cfg.connector, cfg.gate_placement, coordinator, cfg.observability,
+           attention_compiled=not cfg.attention.enforce_eager)
     attention = serve.deployment(AttentionServer).options(
         name=ATTENTION_DEPLOYMENT,
         num_replicas=cfg.attention.num_ranks,

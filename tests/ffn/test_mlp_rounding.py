@@ -1,0 +1,30 @@
+"""`GatedMLP`'s activation rounding against vLLM's own `SiluAndMul` in bfloat16.
+
+A compiled vLLM engine runs `SiluAndMul.forward_native` through torch.compile
+(inductor keeps `silu(gate) * up` in float32 and rounds once); an eager one runs its
+kernel, which rounds `silu(gate)` first (as eager torch does). The FFN role follows
+the attention engine's mode (`act_in_float32`); the two differ in bfloat16, which
+moved a tiny DeepSeek-V3's greedy tokens against plain vLLM with CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.model_executor.layers.activation import SiluAndMul
+
+from afd_ray.ffn.mlp import GatedMLP
+
+
+def test_activation_rounds_as_the_engine_mode_does() -> None:
+    torch.manual_seed(0)
+    once = GatedMLP(64, 256, "silu", False, torch.bfloat16, act_in_float32=True)
+    twice = GatedMLP(64, 256, "silu", False, torch.bfloat16, act_in_float32=False)
+    twice.load_state_dict(once.state_dict())
+    x = torch.randn(32, 64).bfloat16()
+    with torch.no_grad():
+        gate_up = torch.cat([once.gate_proj(x), once.up_proj(x)], dim=-1)  # [T, 2I], vLLM's layout
+        compiled = once.down_proj(torch.compile(SiluAndMul.forward_native, dynamic=False)(gate_up))
+        eager = once.down_proj(SiluAndMul.forward_native(gate_up))
+        assert not torch.equal(compiled, eager)  # the case tells the two apart
+        assert torch.equal(once(x), compiled)
+        assert torch.equal(twice(x), eager)
