@@ -3,7 +3,9 @@
 Built once at the entry point (the `args` of `deployments/*.yaml`, or the CLI) and
 passed down in sections: the attention pool gets `AttentionPoolConfig`, the FFN pool
 `FFNPoolConfig`, the connector `ConnectorConfig`. Every model is frozen after
-validation and forbids unknown keys, so a typo in a YAML file is an error that names
+validation, forbids unknown keys and takes its values strictly (an integer field
+takes an integer, never `"2"`, `2.0` or `true`; a float field also takes an integer;
+a flag takes only `true`/`false`), so a typo in a YAML file is an error that names
 the field.
 """
 
@@ -38,7 +40,7 @@ EMBEDDED_MODELS = ("smollm2", "smollm2-moe")
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
 
 class ModelConfig(_Section):
