@@ -11,6 +11,7 @@ the field.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Literal
 
@@ -183,7 +184,9 @@ class FFNPoolConfig(_Section):
     attention (on its own attention ranks) runs while the FFN computes another's: the
     ping-pong of MegaScale-Infer (arXiv 2504.02263, §4). Takes effect with at least
     two attention ranks per FFN rank and without EP (with EP a step runs as one
-    ubatch). 1: every peer's rows are computed at once (one weight read per layer)."""
+    ubatch). 1: every peer's rows are computed at once (one weight read per layer).
+    At most the attention peers one FFN rank can have, ceil(`attention.max_ranks` /
+    `ffn.min_ranks`): a step never has more ubatches than peers, so more is refused."""
 
     heartbeat_timeout_s: float = Field(30.0, gt=0)
     """An FFN rank that sent no report (every 0.2 s) for this long is dead: the
@@ -344,6 +347,13 @@ class AFDConfig(_Section):
                 raise ValueError(f"{name}.min_ranks: {pool.min_ranks} > {name}.num_ranks {pool.num_ranks}")
             if pool.upper < pool.num_ranks:
                 raise ValueError(f"{name}.max_ranks: {pool.max_ranks} < {name}.num_ranks {pool.num_ranks}")
+        peers = math.ceil(self.attention.upper / self.ffn.min_ranks)  # most attention peers of one FFN rank
+        if self.ffn.ubatches > peers:
+            raise ValueError(
+                f"ffn.ubatches: {self.ffn.ubatches} > {peers}, the most attention peers one FFN rank can have "
+                f"(attention.max_ranks {self.attention.upper} / ffn.min_ranks {self.ffn.min_ranks}, rounded up); "
+                "a step's peers are split into at most that many ubatches"
+            )
         if self.connector.transport != "auto":
             check_transport(self.connector.transport, collective_backend(self.platform))
         capacity = self.attention.upper * (self.attention.max_num_seqs + self.ingress.max_queued_per_rank)

@@ -50,3 +50,14 @@ def test_values_of_another_type_are_refused_not_converted(args: dict[str, object
 def test_an_integer_stays_valid_where_a_float_is_expected() -> None:
     cfg = AFDConfig.model_validate({"ffn": {"bundle_resources": 1, "placement": {"resources": {"ffn_node": 1}}}})
     assert cfg.ffn.bundle_resources == 1.0 and cfg.ffn.placement.resources == {"ffn_node": 1.0}
+
+
+def test_more_ubatches_than_attention_peers_of_one_ffn_rank_are_refused() -> None:
+    """A step's peers are split into at most as many ubatches as there are peers; 1A:1F
+    with `ffn.ubatches: 2` ran exactly as with 1."""
+    with pytest.raises(ValidationError, match=r"ffn\.ubatches: 2 > 1, the most attention peers one FFN rank can have"):
+        AFDConfig.model_validate({"ffn": {"ubatches": 2}})
+    with pytest.raises(ValidationError, match=r"ffn\.ubatches: 3 > 2"):
+        AFDConfig.model_validate({"attention": {"max_ranks": 3}, "ffn": {"num_ranks": 2, "min_ranks": 2, "ubatches": 3}})
+    grows = AFDConfig.model_validate({"attention": {"max_ranks": 2}, "ffn": {"ubatches": 2}})  # 2A:1F after a resize
+    assert grows.ffn.ubatches == 2

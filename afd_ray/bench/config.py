@@ -28,9 +28,12 @@ _TOPOLOGY = re.compile(r"(\d+)A(\d+)F(-dbo)?(-bare)?", re.IGNORECASE)
 class Topology(BaseModel):
     """One serving layout: `plain` (vLLM alone) or `<A>A<F>F` (AFD, EP=F); with the
     suffix `-dbo`, each FFN rank serves its attention peers in two ubatches per layer
-    (`ffn.ubatches` 2, DBO across attention ranks); with `-bare`, AFD without metrics
-    and step records (`observability.metrics` off, `observability.step_records` 0), to
-    measure their cost in the same run.
+    (`ffn.ubatches` 2, DBO across attention ranks), which needs at least two attention
+    ranks per FFN rank (A >= 2F; with fewer an FFN rank's one peer is one ubatch, the
+    same run as without `-dbo`; with F >= 2 on an MoE family, EP runs each step as one
+    ubatch too); with `-bare`, AFD without metrics and step records
+    (`observability.metrics` off, `observability.step_records` 0), to measure their
+    cost in the same run.
 
     Parses from its label, so `"plain"`, `"1A1F"`, `"2a2f"`, `"2A1F-dbo"` and
     `"1A1F-bare"` are valid inputs.
@@ -64,6 +67,15 @@ class Topology(BaseModel):
             "attention": int(match[1]), "ffn": int(match[2]), "ubatches": 2 if match[3] else 1,
             "observability": match[4] is None,
         }  # fmt: skip
+
+    @model_validator(mode="after")
+    def _dbo_needs_two_peers(self) -> Topology:
+        if self.ubatches > 1 and not 1 <= self.ffn <= self.attention // 2:
+            raise ValueError(
+                f"topology {self.label!r}: -dbo needs at least 2 attention ranks per FFN rank (A >= 2F, e.g. "
+                "2A1F-dbo, 4A2F-dbo): each FFN rank splits its attention peers into 2 ubatches"
+            )
+        return self
 
     @property
     def label(self) -> str:

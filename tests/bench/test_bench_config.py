@@ -37,6 +37,14 @@ def test_dbo_topology_serves_two_ubatches_per_ffn_step(tmp_path: Path) -> None:
     assert (app.ffn.ubatches, app.connector.batch_window_us) == (2, 3000)
 
 
+@pytest.mark.parametrize("label", ["1A1F-dbo", "3A2F-dbo", "1A2F-dbo-bare"])
+def test_dbo_with_fewer_than_two_attention_ranks_per_ffn_rank_is_rejected(label: str) -> None:
+    """`1A1F-dbo` was accepted and ran exactly as `1A1F`: one peer is one ubatch."""
+    with pytest.raises(ValidationError, match=rf"topology '{label}': -dbo needs at least 2 attention ranks per FFN rank"):
+        BenchConfig(topologies=(label,))
+    assert Topology.model_validate("4a2f-dbo").ubatches == 2
+
+
 @pytest.mark.parametrize("label", ["1A0F", "AF", "2x2", "", "plain-bare", "1A1F-off", "1A1F-bare-dbo", "plain-dbo"])
 def test_bad_topology_is_rejected_with_its_label(label: str) -> None:
     with pytest.raises(ValidationError, match="topolog"):
