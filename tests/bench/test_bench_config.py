@@ -51,6 +51,19 @@ def test_bad_topology_is_rejected_with_its_label(label: str) -> None:
         BenchConfig(topologies=(label,))
 
 
+def test_bad_topology_flag_is_one_line_naming_the_flag_and_the_form(capsys: pytest.CaptureFixture[str]) -> None:
+    """A label that does not parse printed pydantic's two errors (the label, then
+    the emptied list's length) with their URLs."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--topologies", "1x1F"])
+    assert exit_info.value.code == 2
+    (message,) = capsys.readouterr().err.splitlines()[-1:]
+    assert message == (
+        "python -m afd_ray.bench: error: --topologies: topology '1x1F': expected 'plain' or '<A>A<F>F[-dbo][-bare]' "
+        "with F >= 1 (e.g. 2A2F, 2A1F-dbo, 1A1F-bare)"
+    )
+
+
 def test_bad_flag_exits_2_naming_the_field(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["--concurrency", "0"])
