@@ -214,6 +214,14 @@ class FFNPoolConfig(_Section):
         return self
 
 
+BATCH_WINDOW_MAX_US = 100_000
+"""Upper bound of `ConnectorConfig.batch_window_us`, microseconds (100 ms). While one
+attention peer of an FFN rank is idle (no step to announce), every step of the others
+waits the whole window, so it adds to each of their output tokens' latency; a peer
+that misses the window joins the next step, so a window much longer than a decode
+step only adds latency."""
+
+
 class ConnectorConfig(_Section):
     """The A2F/F2A transport between attention and FFN ranks."""
 
@@ -221,10 +229,11 @@ class ConnectorConfig(_Section):
     """Bound on pair rendezvous and on every A2F/F2A receive, seconds; past it the
     receive fails with the process group's error instead of hanging."""
 
-    batch_window_us: int = Field(500, ge=0)
+    batch_window_us: int = Field(500, ge=0, le=BATCH_WINDOW_MAX_US)
     """Once one attention peer's step header reached an FFN rank, how long it waits for
     the other peers' headers before it starts the step without them, microseconds.
-    Bounds how long a slow or idle attention rank can delay the others."""
+    Bounds how long a slow or idle attention rank can delay the others. At most
+    `BATCH_WINDOW_MAX_US` (100 ms)."""
 
     host: str | None = None
     """Address FFN ranks bind their header socket and rendezvous store to; None (the

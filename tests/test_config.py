@@ -9,7 +9,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from afd_ray.config import AFDConfig
+from afd_ray.config import BATCH_WINDOW_MAX_US, AFDConfig
 
 DEPLOYMENTS = Path(__file__).parents[1] / "deployments"
 
@@ -61,3 +61,13 @@ def test_more_ubatches_than_attention_peers_of_one_ffn_rank_are_refused() -> Non
         AFDConfig.model_validate({"attention": {"max_ranks": 3}, "ffn": {"num_ranks": 2, "min_ranks": 2, "ubatches": 3}})
     grows = AFDConfig.model_validate({"attention": {"max_ranks": 2}, "ffn": {"ubatches": 2}})  # 2A:1F after a resize
     assert grows.ffn.ubatches == 2
+
+
+def test_a_batch_window_over_its_bound_is_refused() -> None:
+    """`batch_window_us: 3000000` (3 s, a typo for 3000) was accepted: with one peer idle,
+    each step of the others would wait 3 s."""
+    assert AFDConfig.model_validate({"connector": {"batch_window_us": BATCH_WINDOW_MAX_US}})
+    with pytest.raises(ValidationError) as error:
+        AFDConfig.model_validate({"connector": {"batch_window_us": 3_000_000}})
+    assert _field(error.value) == "connector.batch_window_us"
+    assert "less than or equal to 100000" in str(error.value)

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
-from afd_ray.config import ConnectorConfig, DType
+from afd_ray.config import BATCH_WINDOW_MAX_US, ConnectorConfig, DType
 from afd_ray.connector.link import TransportChoice
 from afd_ray.models import Family
 from afd_ray.models.shapes import Shape
@@ -175,9 +175,10 @@ class BenchConfig(BaseModel):
     transport: TransportChoice = "auto"
     """`ConnectorConfig.transport` of the AFD runs (`auto`: `shm` on one node)."""
 
-    batch_window_us: int = Field(ConnectorConfig().batch_window_us, ge=0)
+    batch_window_us: int = Field(ConnectorConfig().batch_window_us, ge=0, le=BATCH_WINDOW_MAX_US)
     """`ConnectorConfig.batch_window_us` of the AFD runs: how long an FFN rank waits
-    for its other attention peers' step headers, microseconds."""
+    for its other attention peers' step headers, microseconds; at most 100000
+    (`afd_ray.config.BATCH_WINDOW_MAX_US`)."""
 
     transport_microbench: bool = True
     """Also measure the A2F+F2A round trip per layer of every CPU transport

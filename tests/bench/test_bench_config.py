@@ -71,6 +71,13 @@ def test_bad_flag_exits_2_naming_the_field(capsys: pytest.CaptureFixture[str]) -
     assert "concurrency" in capsys.readouterr().err
 
 
+def test_batch_window_over_its_bound_exits_2_naming_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--batch-window-us", "3000000"])
+    assert exit_info.value.code == 2
+    assert "--batch-window-us: Input should be less than or equal to 100000 (got 3000000)" in capsys.readouterr().err
+
+
 def test_latency_summary_in_milliseconds() -> None:
     summary = Latency.of([0.010, 0.020, 0.030])
     assert summary.count == 3
