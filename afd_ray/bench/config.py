@@ -210,3 +210,12 @@ class BenchConfig(BaseModel):
         "compare layouts within one file, not across machines."
     )
     """Free text stored with the results (e.g. how noisy the machine was)."""
+
+    @model_validator(mode="after")
+    def _requests_fit_the_context(self) -> BenchConfig:
+        if self.prompt_tokens is not None and self.prompt_tokens + self.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt_tokens: {self.prompt_tokens} + max_tokens {self.max_tokens} > max_model_len "
+                f"{self.max_model_len}: the requests do not fit the context; raise max_model_len"
+            )
+        return self

@@ -78,6 +78,16 @@ def test_batch_window_over_its_bound_exits_2_naming_the_flag(capsys: pytest.Capt
     assert "--batch-window-us: Input should be less than or equal to 100000 (got 3000000)" in capsys.readouterr().err
 
 
+def test_prompt_and_output_over_the_context_exit_2_before_any_deployment(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--prompt-tokens 4096` with the default context of 512 was found only by the
+    engine, request by request, after the first layout was deployed."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--prompt-tokens", "4096"])
+    assert exit_info.value.code == 2
+    assert "prompt_tokens: 4096 + max_tokens 64 > max_model_len 512" in capsys.readouterr().err
+    assert BenchConfig(prompt_tokens=448, max_tokens=64).max_model_len == 512
+
+
 def test_latency_summary_in_milliseconds() -> None:
     summary = Latency.of([0.010, 0.020, 0.030])
     assert summary.count == 3
@@ -90,7 +100,7 @@ def test_several_batches_and_cuda_settings_parse_from_the_command_line(monkeypat
 
     args = vars(build_parser().parse_args([
         "--platform", "cuda", "--dtype", "bfloat16", "--families", "deepseek-v2-lite", "--concurrency", "16", "64",
-        "--prompt-tokens", "4096", "--gpu-fraction", "0.5", "--no-enforce-eager",
+        "--prompt-tokens", "4096", "--max-model-len", "4352", "--gpu-fraction", "0.5", "--no-enforce-eager",
     ]))
     cfg = BenchConfig.model_validate({k: v for k, v in args.items() if k not in ("out", "ray_address", "serve_url", "smoke")})
     assert (cfg.platform, cfg.dtype, cfg.families, cfg.concurrency) == ("cuda", "bfloat16", ("deepseek-v2-lite",), (16, 64))
