@@ -27,6 +27,7 @@ import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from afd_ray.argtypes import positive, positive_int
 from afd_ray.config import EMBEDDED_MODELS
 from afd_ray.models import FAMILIES
 from afd_ray.observability.cli import add_dashboards, add_trace
@@ -194,12 +195,12 @@ def _add_autoscale(subparsers: argparse._SubParsersAction) -> None:
     )
     simulate.add_argument(
         "--peak-rps",
-        type=_positive_s,
+        type=positive,
         default=1.5,
         help="ramp peak, requests/s (default: 1.5)",
     )
     simulate.add_argument(
-        "--duration-s", type=_positive_s, default=900.0, help="ramp length, s (default: 900)"
+        "--duration-s", type=positive, default=900.0, help="ramp length, s (default: 900)"
     )
     simulate.add_argument(
         "--out",
@@ -231,12 +232,12 @@ def _add_autoscale(subparsers: argparse._SubParsersAction) -> None:
     )
     record.add_argument(
         "--interval-s",
-        type=_positive_s,
+        type=positive,
         default=1.0,
         help="seconds between snapshots (default: 1)",
     )
     record.add_argument(
-        "--duration-s", type=_positive_s, required=True, help="how long to record, s"
+        "--duration-s", type=positive, required=True, help="how long to record, s"
     )
     record.set_defaults(handler=_autoscale_record)
 
@@ -249,14 +250,6 @@ def _add_autoscale(subparsers: argparse._SubParsersAction) -> None:
     apply.add_argument("--url", default="http://127.0.0.1:8000", help="application URL (default: %(default)s)")
     _add_admin_key(apply)
     apply.set_defaults(handler=_autoscale_apply)
-
-
-def _positive_s(text: str) -> float:
-    """argparse type of a duration or rate that must be > 0 (a usage error otherwise)."""
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
 
 
 def _scale(args: argparse.Namespace) -> None:
@@ -303,10 +296,10 @@ def _add_scale(subparsers: argparse._SubParsersAction) -> None:
         help="resize the attention and FFN pools of a running deployment (POST /afd/scale); "
         "returns once the new layout serves and pauses the autoscaler",
     )
-    scale.add_argument("--attention", type=int, required=True, help="attention ranks")
-    scale.add_argument("--ffn", type=int, required=True, help="FFN ranks")
+    scale.add_argument("--attention", type=positive_int, required=True, help="attention ranks")
+    scale.add_argument("--ffn", type=positive_int, required=True, help="FFN ranks")
     scale.add_argument("--url", default="http://127.0.0.1:8000", help="the deployment's HTTP address")
-    scale.add_argument("--timeout", type=_positive_s, default=900.0, help="seconds to wait (default: 900)")
+    scale.add_argument("--timeout", type=positive, default=900.0, help="seconds to wait (default: 900)")
     _add_admin_key(scale)
     scale.set_defaults(handler=_scale)
 

@@ -3,12 +3,15 @@
 Built once at the entry point (the `args` of `deployments/*.yaml`, or the CLI) and
 passed down in sections: the attention pool gets `AttentionPoolConfig`, the FFN pool
 `FFNPoolConfig`, the connector `ConnectorConfig`. Every model is frozen after
-validation and forbids unknown keys, so a typo in a YAML file is an error that names
+validation, forbids unknown keys and takes its values strictly (an integer field
+takes an integer, never `"2"`, `2.0` or `true`; a float field also takes an integer;
+a flag takes only `true`/`false`), so a typo in a YAML file is an error that names
 the field.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Literal
 
@@ -38,7 +41,7 @@ EMBEDDED_MODELS = ("smollm2", "smollm2-moe")
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
 
 class ModelConfig(_Section):
@@ -181,7 +184,9 @@ class FFNPoolConfig(_Section):
     attention (on its own attention ranks) runs while the FFN computes another's: the
     ping-pong of MegaScale-Infer (arXiv 2504.02263, §4). Takes effect with at least
     two attention ranks per FFN rank and without EP (with EP a step runs as one
-    ubatch). 1: every peer's rows are computed at once (one weight read per layer)."""
+    ubatch). 1: every peer's rows are computed at once (one weight read per layer).
+    At most the attention peers one FFN rank can have, ceil(`attention.max_ranks` /
+    `ffn.min_ranks`): a step never has more ubatches than peers, so more is refused."""
 
     heartbeat_timeout_s: float = Field(30.0, gt=0)
     """An FFN rank that sent no report (every 0.2 s) for this long is dead: the
@@ -209,6 +214,14 @@ class FFNPoolConfig(_Section):
         return self
 
 
+BATCH_WINDOW_MAX_US = 100_000
+"""Upper bound of `ConnectorConfig.batch_window_us`, microseconds (100 ms). While one
+attention peer of an FFN rank is idle (no step to announce), every step of the others
+waits the whole window, so it adds to each of their output tokens' latency; a peer
+that misses the window joins the next step, so a window much longer than a decode
+step only adds latency."""
+
+
 class ConnectorConfig(_Section):
     """The A2F/F2A transport between attention and FFN ranks."""
 
@@ -216,10 +229,11 @@ class ConnectorConfig(_Section):
     """Bound on pair rendezvous and on every A2F/F2A receive, seconds; past it the
     receive fails with the process group's error instead of hanging."""
 
-    batch_window_us: int = Field(500, ge=0)
+    batch_window_us: int = Field(500, ge=0, le=BATCH_WINDOW_MAX_US)
     """Once one attention peer's step header reached an FFN rank, how long it waits for
     the other peers' headers before it starts the step without them, microseconds.
-    Bounds how long a slow or idle attention rank can delay the others."""
+    Bounds how long a slow or idle attention rank can delay the others. At most
+    `BATCH_WINDOW_MAX_US` (100 ms)."""
 
     host: str | None = None
     """Address FFN ranks bind their header socket and rendezvous store to; None (the
@@ -342,6 +356,13 @@ class AFDConfig(_Section):
                 raise ValueError(f"{name}.min_ranks: {pool.min_ranks} > {name}.num_ranks {pool.num_ranks}")
             if pool.upper < pool.num_ranks:
                 raise ValueError(f"{name}.max_ranks: {pool.max_ranks} < {name}.num_ranks {pool.num_ranks}")
+        peers = math.ceil(self.attention.upper / self.ffn.min_ranks)  # most attention peers of one FFN rank
+        if self.ffn.ubatches > peers:
+            raise ValueError(
+                f"ffn.ubatches: {self.ffn.ubatches} > {peers}, the most attention peers one FFN rank can have "
+                f"(attention.max_ranks {self.attention.upper} / ffn.min_ranks {self.ffn.min_ranks}, rounded up); "
+                "a step's peers are split into at most that many ubatches"
+            )
         if self.connector.transport != "auto":
             check_transport(self.connector.transport, collective_backend(self.platform))
         capacity = self.attention.upper * (self.attention.max_num_seqs + self.ingress.max_queued_per_rank)

@@ -28,12 +28,14 @@ from contextlib import contextmanager
 from datetime import date
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from afd_ray.bench.config import BenchConfig, Topology
 from afd_ray.bench.schema import BenchResult, FFNRankResult
 from afd_ray.models import FAMILIES
 from afd_ray.models.shapes import SHAPES
 
-__all__ = ["build_parser", "format_table", "main", "serve_endpoint"]
+__all__ = ["build_parser", "format_table", "main", "serve_endpoint", "usage_message"]
 
 SMOKE = {
     "topologies": ("plain", "1A1F"), "concurrency": (1,), "requests_per_stream": 1, "max_tokens": 4,
@@ -155,6 +157,24 @@ def format_table(result: BenchResult) -> str:
     return "\n".join(lines)
 
 
+def usage_message(error: ValueError) -> str:
+    """The usage error of a bad flag, one line: for a `BenchConfig` validation error,
+    the first error of each field as `--flag: message (got value)` (a list flag whose
+    every item failed also fails its length check: that second error is left out);
+    any other `ValueError` as is."""
+    if not isinstance(error, ValidationError):
+        return str(error)
+    lines: dict[object, str] = {}
+    for item in error.errors():
+        field = item["loc"][0] if item["loc"] else None
+        if item["type"] == "value_error":
+            message = str(item["ctx"]["error"])
+        else:
+            message = f"{item['msg']} (got {item['input']!r})"
+        lines.setdefault(field, f"--{str(field).replace('_', '-')}: {message}" if field is not None else message)
+    return "; ".join(lines.values())
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -219,7 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = BenchConfig.model_validate((SMOKE if smoke else {}) | args)
     except ValueError as e:
-        parser.error(str(e))
+        parser.error(usage_message(e))
 
     from afd_ray.bench.runner import run_benchmark
     from afd_ray.bench.transport import format_table as format_transport_table

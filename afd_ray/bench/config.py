@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
-from afd_ray.config import ConnectorConfig, DType
+from afd_ray.config import BATCH_WINDOW_MAX_US, ConnectorConfig, DType
 from afd_ray.connector.link import TransportChoice
 from afd_ray.models import Family
 from afd_ray.models.shapes import Shape
@@ -28,9 +28,12 @@ _TOPOLOGY = re.compile(r"(\d+)A(\d+)F(-dbo)?(-bare)?", re.IGNORECASE)
 class Topology(BaseModel):
     """One serving layout: `plain` (vLLM alone) or `<A>A<F>F` (AFD, EP=F); with the
     suffix `-dbo`, each FFN rank serves its attention peers in two ubatches per layer
-    (`ffn.ubatches` 2, DBO across attention ranks); with `-bare`, AFD without metrics
-    and step records (`observability.metrics` off, `observability.step_records` 0), to
-    measure their cost in the same run.
+    (`ffn.ubatches` 2, DBO across attention ranks), which needs at least two attention
+    ranks per FFN rank (A >= 2F; with fewer an FFN rank's one peer is one ubatch, the
+    same run as without `-dbo`; with F >= 2 on an MoE family, EP runs each step as one
+    ubatch too); with `-bare`, AFD without metrics and step records
+    (`observability.metrics` off, `observability.step_records` 0), to measure their
+    cost in the same run.
 
     Parses from its label, so `"plain"`, `"1A1F"`, `"2a2f"`, `"2A1F-dbo"` and
     `"1A1F-bare"` are valid inputs.
@@ -64,6 +67,15 @@ class Topology(BaseModel):
             "attention": int(match[1]), "ffn": int(match[2]), "ubatches": 2 if match[3] else 1,
             "observability": match[4] is None,
         }  # fmt: skip
+
+    @model_validator(mode="after")
+    def _dbo_needs_two_peers(self) -> Topology:
+        if self.ubatches > 1 and not 1 <= self.ffn <= self.attention // 2:
+            raise ValueError(
+                f"topology {self.label!r}: -dbo needs at least 2 attention ranks per FFN rank (A >= 2F, e.g. "
+                "2A1F-dbo, 4A2F-dbo): each FFN rank splits its attention peers into 2 ubatches"
+            )
+        return self
 
     @property
     def label(self) -> str:
@@ -163,9 +175,10 @@ class BenchConfig(BaseModel):
     transport: TransportChoice = "auto"
     """`ConnectorConfig.transport` of the AFD runs (`auto`: `shm` on one node)."""
 
-    batch_window_us: int = Field(ConnectorConfig().batch_window_us, ge=0)
+    batch_window_us: int = Field(ConnectorConfig().batch_window_us, ge=0, le=BATCH_WINDOW_MAX_US)
     """`ConnectorConfig.batch_window_us` of the AFD runs: how long an FFN rank waits
-    for its other attention peers' step headers, microseconds."""
+    for its other attention peers' step headers, microseconds; at most 100000
+    (`afd_ray.config.BATCH_WINDOW_MAX_US`)."""
 
     transport_microbench: bool = True
     """Also measure the A2F+F2A round trip per layer of every CPU transport
@@ -197,3 +210,12 @@ class BenchConfig(BaseModel):
         "compare layouts within one file, not across machines."
     )
     """Free text stored with the results (e.g. how noisy the machine was)."""
+
+    @model_validator(mode="after")
+    def _requests_fit_the_context(self) -> BenchConfig:
+        if self.prompt_tokens is not None and self.prompt_tokens + self.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt_tokens: {self.prompt_tokens} + max_tokens {self.max_tokens} > max_model_len "
+                f"{self.max_model_len}: the requests do not fit the context; raise max_model_len"
+            )
+        return self

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
-from afd_ray.bench.cli import SMOKE, build_parser, format_table, serve_endpoint
+from afd_ray.bench.cli import SMOKE, build_parser, format_table, serve_endpoint, usage_message
 from afd_ray.bench.config import BenchConfig, Topology
 from afd_ray.bench.progress import emit
 from afd_ray.bench.schema import BenchResult
@@ -224,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if len(cfg.concurrency) != 1:
             raise ValueError("--concurrency: the sweep sends one load to every layout; give one value")
     except ValueError as e:
-        parser.error(str(e))
+        parser.error(usage_message(e))
 
     try:
         with serve_endpoint(cfg, ray_address, serve_url) as url:

@@ -8,17 +8,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from afd_ray.argtypes import positive, positive_int
 from afd_ray.models import FAMILIES
 
 __all__ = ["add_plan", "add_profile"]
-
-
-def _positive(text: str) -> float:
-    """argparse type of a value that must be > 0."""
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
 
 
 def _profile(args: argparse.Namespace) -> None:
@@ -49,13 +42,6 @@ def _profile(args: argparse.Namespace) -> None:
     print(args.out)
 
 
-def _positive_ints(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
-    return value
-
-
 def add_profile(subparsers: argparse._SubParsersAction) -> None:
     profile = subparsers.add_parser(
         "profile",
@@ -65,12 +51,12 @@ def add_profile(subparsers: argparse._SubParsersAction) -> None:
     source = profile.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", help="embedded model name or checkpoint folder")
     source.add_argument("--tiny", choices=FAMILIES, help="a tiny random checkpoint of this family")
-    profile.add_argument("--batches", type=_positive_ints, nargs="+", default=[1, 2, 4, 8], help="batch sizes (default: 1 2 4 8)")
+    profile.add_argument("--batches", type=positive_int, nargs="+", default=[1, 2, 4, 8], help="batch sizes (default: 1 2 4 8)")
     profile.add_argument(
-        "--prompt-tokens", type=_positive_ints, nargs="+", default=[32, 128], help="prompt lengths, tokens (default: 32 128)"
+        "--prompt-tokens", type=positive_int, nargs="+", default=[32, 128], help="prompt lengths, tokens (default: 32 128)"
     )
-    profile.add_argument("--decode-steps", type=_positive_ints, default=16, help="decode steps timed per point (default: 16)")
-    profile.add_argument("--threads", type=_positive_ints, default=1, help="engine threads, as one attention rank (default: 1)")
+    profile.add_argument("--decode-steps", type=positive_int, default=16, help="decode steps timed per point (default: 16)")
+    profile.add_argument("--threads", type=positive_int, default=1, help="engine threads, as one attention rank (default: 1)")
     profile.add_argument("--out", type=Path, default=Path("profile.json"), help="profile JSON (default: profile.json)")
     profile.set_defaults(handler=_profile)
 
@@ -111,16 +97,16 @@ def add_plan(subparsers: argparse._SubParsersAction) -> None:
         help="`afd-ray profile` JSON, or a GPU decode benchmark JSON (benchmarks/results/h200x2-2026-11-29.json)",
     )
     plan.add_argument("--model", help="with a GPU benchmark JSON: which of its models (default: the first)")
-    plan.add_argument("--slo-tpot-ms", type=_positive, required=True, help="TPOT target, ms")
-    plan.add_argument("--devices", type=_positive_ints, required=True, help="devices for attention + FFN ranks")
-    plan.add_argument("--context", type=_positive, help="mean context per sequence, tokens (default: the profile's largest)")
-    plan.add_argument("--output-tokens", type=_positive_ints, default=256, help="output tokens per request, for requests/s (default: 256)")
-    plan.add_argument("--price-per-device-hour", type=_positive, default=1.0, help="price of one device-hour (default: 1)")
-    plan.add_argument("--batches", type=_positive_ints, nargs="+", default=list(DEFAULT_BATCHES), help="batch sizes per attention rank to try")
+    plan.add_argument("--slo-tpot-ms", type=positive, required=True, help="TPOT target, ms")
+    plan.add_argument("--devices", type=positive_int, required=True, help="devices for attention + FFN ranks")
+    plan.add_argument("--context", type=positive, help="mean context per sequence, tokens (default: the profile's largest)")
+    plan.add_argument("--output-tokens", type=positive_int, default=256, help="output tokens per request, for requests/s (default: 256)")
+    plan.add_argument("--price-per-device-hour", type=positive, default=1.0, help="price of one device-hour (default: 1)")
+    plan.add_argument("--batches", type=positive_int, nargs="+", default=list(DEFAULT_BATCHES), help="batch sizes per attention rank to try")
     plan.add_argument(
         "--host-cores",
-        type=_positive,
+        type=positive,
         help="CPU only: cores all ranks share, fractional on a busy machine (default: one device per rank)",
     )
-    plan.add_argument("--top", type=_positive_ints, default=10, help="alternatives to print (default: 10)")
+    plan.add_argument("--top", type=positive_int, default=10, help="alternatives to print (default: 10)")
     plan.set_defaults(handler=_plan)

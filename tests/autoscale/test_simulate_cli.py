@@ -86,6 +86,7 @@ def test_bad_policy_exits_1_naming_the_field(tmp_path: Path, capsys: pytest.Capt
         ["autoscale", "record", "--out", "t.jsonl", "--duration-s", "-5"],
         ["autoscale", "simulate", "--policy", str(POLICY), "--ramp", "--peak-rps", "-1"],
         ["scale", "--attention", "1", "--ffn", "1", "--timeout", "0"],
+        ["autoscale", "record", "--out", "t.jsonl", "--duration-s", "5", "--interval-s", "inf"],
     ],
 )
 def test_non_positive_durations_are_usage_errors(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
@@ -94,6 +95,16 @@ def test_non_positive_durations_are_usage_errors(argv: list[str], capsys: pytest
         main(argv)
     assert exit_.value.code == 2
     assert "must be > 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("pool", "count"), [("--attention", "0"), ("--ffn", "-1")])
+def test_scale_to_no_ranks_is_a_usage_error(pool: str, count: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """`scale --attention 0` (or a negative count) was sent to the server."""
+    sizes = {"--attention": "1", "--ffn": "1"} | {pool: count}
+    with pytest.raises(SystemExit) as exit_:
+        main(["scale", *(item for pair in sizes.items() for item in pair), "--url", "http://127.0.0.1:9"])
+    assert exit_.value.code == 2
+    assert f"argument {pool}: must be >= 1, got {count}" in capsys.readouterr().err
 
 
 def test_record_from_an_unreachable_url_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -37,10 +37,31 @@ def test_dbo_topology_serves_two_ubatches_per_ffn_step(tmp_path: Path) -> None:
     assert (app.ffn.ubatches, app.connector.batch_window_us) == (2, 3000)
 
 
+@pytest.mark.parametrize("label", ["1A1F-dbo", "3A2F-dbo", "1A2F-dbo-bare"])
+def test_dbo_with_fewer_than_two_attention_ranks_per_ffn_rank_is_rejected(label: str) -> None:
+    """`1A1F-dbo` was accepted and ran exactly as `1A1F`: one peer is one ubatch."""
+    with pytest.raises(ValidationError, match=rf"topology '{label}': -dbo needs at least 2 attention ranks per FFN rank"):
+        BenchConfig(topologies=(label,))
+    assert Topology.model_validate("4a2f-dbo").ubatches == 2
+
+
 @pytest.mark.parametrize("label", ["1A0F", "AF", "2x2", "", "plain-bare", "1A1F-off", "1A1F-bare-dbo", "plain-dbo"])
 def test_bad_topology_is_rejected_with_its_label(label: str) -> None:
     with pytest.raises(ValidationError, match="topolog"):
         BenchConfig(topologies=(label,))
+
+
+def test_bad_topology_flag_is_one_line_naming_the_flag_and_the_form(capsys: pytest.CaptureFixture[str]) -> None:
+    """A label that does not parse printed pydantic's two errors (the label, then
+    the emptied list's length) with their URLs."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--topologies", "1x1F"])
+    assert exit_info.value.code == 2
+    (message,) = capsys.readouterr().err.splitlines()[-1:]
+    assert message == (
+        "python -m afd_ray.bench: error: --topologies: topology '1x1F': expected 'plain' or '<A>A<F>F[-dbo][-bare]' "
+        "with F >= 1 (e.g. 2A2F, 2A1F-dbo, 1A1F-bare)"
+    )
 
 
 def test_bad_flag_exits_2_naming_the_field(capsys: pytest.CaptureFixture[str]) -> None:
@@ -48,6 +69,23 @@ def test_bad_flag_exits_2_naming_the_field(capsys: pytest.CaptureFixture[str]) -
         main(["--concurrency", "0"])
     assert exit_info.value.code == 2
     assert "concurrency" in capsys.readouterr().err
+
+
+def test_batch_window_over_its_bound_exits_2_naming_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--batch-window-us", "3000000"])
+    assert exit_info.value.code == 2
+    assert "--batch-window-us: Input should be less than or equal to 100000 (got 3000000)" in capsys.readouterr().err
+
+
+def test_prompt_and_output_over_the_context_exit_2_before_any_deployment(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--prompt-tokens 4096` with the default context of 512 was found only by the
+    engine, request by request, after the first layout was deployed."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--prompt-tokens", "4096"])
+    assert exit_info.value.code == 2
+    assert "prompt_tokens: 4096 + max_tokens 64 > max_model_len 512" in capsys.readouterr().err
+    assert BenchConfig(prompt_tokens=448, max_tokens=64).max_model_len == 512
 
 
 def test_latency_summary_in_milliseconds() -> None:
@@ -62,7 +100,7 @@ def test_several_batches_and_cuda_settings_parse_from_the_command_line(monkeypat
 
     args = vars(build_parser().parse_args([
         "--platform", "cuda", "--dtype", "bfloat16", "--families", "deepseek-v2-lite", "--concurrency", "16", "64",
-        "--prompt-tokens", "4096", "--gpu-fraction", "0.5", "--no-enforce-eager",
+        "--prompt-tokens", "4096", "--max-model-len", "4352", "--gpu-fraction", "0.5", "--no-enforce-eager",
     ]))
     cfg = BenchConfig.model_validate({k: v for k, v in args.items() if k not in ("out", "ray_address", "serve_url", "smoke")})
     assert (cfg.platform, cfg.dtype, cfg.families, cfg.concurrency) == ("cuda", "bfloat16", ("deepseek-v2-lite",), (16, 64))

@@ -1,0 +1,73 @@
+"""The config tree (`afd_ray.config`) without a cluster: every shipped deployment
+validates, and bad values are refused naming the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from afd_ray.config import BATCH_WINDOW_MAX_US, AFDConfig
+
+DEPLOYMENTS = Path(__file__).parents[1] / "deployments"
+
+
+def _field(error: ValidationError) -> str:
+    (only,) = error.errors()
+    return ".".join(str(part) for part in only["loc"])
+
+
+@pytest.mark.parametrize("path", sorted(DEPLOYMENTS.glob("afd*.yaml")), ids=lambda p: p.name)
+def test_every_deployment_validates(path: Path) -> None:
+    for app in yaml.safe_load(path.read_text())["applications"]:
+        AFDConfig.model_validate(app["args"])
+
+
+@pytest.mark.parametrize(
+    ("args", "field"),
+    [
+        ({"ffn": {"ubatches": True}}, "ffn.ubatches"),
+        ({"ffn": {"ubatches": "2"}}, "ffn.ubatches"),
+        ({"ffn": {"ubatches": 2.0}}, "ffn.ubatches"),
+        ({"attention": {"num_ranks": "1"}}, "attention.num_ranks"),
+        ({"attention": {"enforce_eager": "false"}}, "attention.enforce_eager"),
+        ({"observability": {"metrics": 0}}, "observability.metrics"),
+        ({"connector": {"timeout_s": "120"}}, "connector.timeout_s"),
+        ({"ingress": {"max_kv_cache_usage": True}}, "ingress.max_kv_cache_usage"),
+    ],
+    ids=["bool-int", "str-int", "float-int", "str-ranks", "str-flag", "int-flag", "str-float", "bool-float"],
+)
+def test_values_of_another_type_are_refused_not_converted(args: dict[str, object], field: str) -> None:
+    """`ffn.ubatches: true` used to become 1 and `"2"` 2 (a fresh user's report)."""
+    with pytest.raises(ValidationError) as error:
+        AFDConfig.model_validate(args)
+    assert _field(error.value) == field
+    assert field in str(error.value)
+
+
+def test_an_integer_stays_valid_where_a_float_is_expected() -> None:
+    cfg = AFDConfig.model_validate({"ffn": {"bundle_resources": 1, "placement": {"resources": {"ffn_node": 1}}}})
+    assert cfg.ffn.bundle_resources == 1.0 and cfg.ffn.placement.resources == {"ffn_node": 1.0}
+
+
+def test_more_ubatches_than_attention_peers_of_one_ffn_rank_are_refused() -> None:
+    """A step's peers are split into at most as many ubatches as there are peers; 1A:1F
+    with `ffn.ubatches: 2` ran exactly as with 1."""
+    with pytest.raises(ValidationError, match=r"ffn\.ubatches: 2 > 1, the most attention peers one FFN rank can have"):
+        AFDConfig.model_validate({"ffn": {"ubatches": 2}})
+    with pytest.raises(ValidationError, match=r"ffn\.ubatches: 3 > 2"):
+        AFDConfig.model_validate({"attention": {"max_ranks": 3}, "ffn": {"num_ranks": 2, "min_ranks": 2, "ubatches": 3}})
+    grows = AFDConfig.model_validate({"attention": {"max_ranks": 2}, "ffn": {"ubatches": 2}})  # 2A:1F after a resize
+    assert grows.ffn.ubatches == 2
+
+
+def test_a_batch_window_over_its_bound_is_refused() -> None:
+    """`batch_window_us: 3000000` (3 s, a typo for 3000) was accepted: with one peer idle,
+    each step of the others would wait 3 s."""
+    assert AFDConfig.model_validate({"connector": {"batch_window_us": BATCH_WINDOW_MAX_US}})
+    with pytest.raises(ValidationError) as error:
+        AFDConfig.model_validate({"connector": {"batch_window_us": 3_000_000}})
+    assert _field(error.value) == "connector.batch_window_us"
+    assert "less than or equal to 100000" in str(error.value)
