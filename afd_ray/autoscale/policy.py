@@ -56,6 +56,13 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+class _PolicyPart(_Frozen):
+    """A part of the YAML policy: values are taken strictly (`min_ranks: "2"` or
+    `step: true` is refused, naming the field; an integer stays valid for a float)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+
 class MetricsSnapshot(_Frozen):
     """What the policy sees at one evaluation: flat numbers only, so that it also
     travels as Serve's `record_autoscaling_stats()` `dict[str, float]`.
@@ -114,7 +121,7 @@ class MetricsSnapshot(_Frozen):
         return cls.model_validate(values)
 
 
-class Thresholds(_Frozen):
+class Thresholds(_PolicyPart):
     """The hysteresis band of one signal: scale out above `scale_out`, scale in below
     `scale_in`, hold in between."""
 
@@ -140,7 +147,7 @@ class _FractionThresholds(Thresholds):
     scale_in: float = Field(ge=0, le=1)
 
 
-class _Signals(_Frozen):
+class _Signals(_PolicyPart):
     def bands(self) -> dict[str, Thresholds]:
         """The configured signals by name (unset ones left out)."""
         return {name: band for name, band in self if band is not None}
@@ -172,7 +179,7 @@ class FFNSignals(_Signals):
     """On `MetricsSnapshot.tokens_per_ffn_step`, token rows."""
 
 
-class _PoolPolicy(_Frozen):
+class _PoolPolicy(_PolicyPart):
     min_ranks: int = Field(1, ge=1)
     """Fewest ranks the policy asks for."""
     max_ranks: int = Field(1, ge=1)
@@ -210,7 +217,7 @@ class FFNPoolPolicy(_PoolPolicy):
     signals: FFNSignals = FFNSignals()
 
 
-class AutoscalePolicy(_Frozen):
+class AutoscalePolicy(_PolicyPart):
     """Root of the policy YAML (`deployments/autoscale.yaml`)."""
 
     attention: AttentionPoolPolicy = AttentionPoolPolicy()

@@ -167,6 +167,9 @@ def test_state_and_snapshot_round_trip() -> None:
             {"attention": {"signals": {"kv_usage": {"scale_out": 0.9, "scale_in": 0.1}}}},
             "attention.signals.kv_usage",
         ),
+        ({"ffn": {"min_ranks": "2"}}, "ffn.min_ranks"),
+        ({"attention": {"step": True}}, "attention.step"),
+        ({"attention": {"scale_in_after_s": "30"}}, "attention.scale_in_after_s"),
     ],
     ids=[
         "unknown-key",
@@ -175,6 +178,9 @@ def test_state_and_snapshot_round_trip() -> None:
         "threshold-out-of-range",
         "band-inverted",
         "unknown-signal",
+        "string-count",
+        "bool-step",
+        "string-duration",
     ],
 )
 def test_bad_policy_yaml_names_the_field(
