@@ -43,6 +43,7 @@ from afd_ray.control.membership import (
     EPAssignment,
     FFNDirective,
     FFNMember,
+    LoopState,
     MemberState,
     PoolLoad,
     ResizeEvent,
@@ -163,13 +164,13 @@ class Coordinator:
         epoch: int,
         pause_s: float,
         steps: list[FFNStep] | None = None,
-        serving: bool = True,
+        loop: LoopState = LoopState.SERVING,
     ) -> FFNDirective:
         """Replace the counters and expert load of FFN rank `rank`, which serves layout
         `epoch` and paused its steps at most `pause_s` seconds at a step boundary since
         its last report; feed its counters to the autoscaling signals and keep its new
         step records (`steps`) for `trace`. Each report is the rank's heartbeat;
-        `serving` False (its FFN loop stopped) makes it dead.
+        `loop` STOPPED (its FFN loop ended) makes it dead.
 
         Returns:
             The layout this rank must prepare while a resize or recovery is pending,
@@ -178,13 +179,13 @@ class Coordinator:
         registry = self._registry
         if rank not in registry.ffn:  # this coordinator restarted
             return FFNDirective(rejoin=True)
-        self._recovery.heard(rank, serving)
         member = registry.ffn[rank]
         if member.state is MemberState.GONE:
             return FFNDirective()
-        if not serving:
+        self._recovery.heard(rank, loop)
+        if loop is LoopState.STOPPED:
             await registry.notify()
-        update = vars(stats) | {"expert_tokens": expert_tokens, "epoch": epoch}  # shallow: `split` stays a StepSplit
+        update = vars(stats) | {"expert_tokens": expert_tokens, "epoch": epoch, "loop": loop}  # shallow: a StepSplit
         if member.state is MemberState.STARTING and rank in registry.layout and epoch == registry.layout_epoch:
             update["state"] = member.state.to(MemberState.READY)
             update["ep_rank"] = registry.layout.index(rank)
@@ -194,7 +195,7 @@ class Coordinator:
             logger.info("FFN rank %d paused %.4f s at a step boundary (epoch %d)", rank, pause_s, epoch)
         self._signals.report_ffn(rank, stats, time.time())
         self._steps.add_ffn(rank, steps or [])
-        if epoch != member.epoch or "state" in update:
+        if epoch != member.epoch or "state" in update or loop is not member.loop:
             await registry.notify()
         return registry.ffn_directive(rank, epoch)
 

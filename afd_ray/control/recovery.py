@@ -33,7 +33,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from afd_ray.control.membership import MemberState, RecoveryEvent
+from afd_ray.control.membership import LoopState, MemberState, RecoveryEvent
 from afd_ray.control.placement import joining, rebalance_moves, reformed_layout
 from afd_ray.control.registry import Plan, Registry
 from afd_ray.control.resize import FFN_DEPLOYMENT, WATCH_PERIOD_S, Resizer
@@ -74,10 +74,10 @@ class Recovery:
         self.recovering = False
         self._bytes = 0
 
-    def heard(self, rank: int, serving: bool) -> None:
-        """FFN rank `rank` reported; `serving`: its FFN loop still runs."""
+    def heard(self, rank: int, loop: LoopState) -> None:
+        """FFN rank `rank` reported what its FFN loop does (`LoopState.STOPPED`: it ended)."""
         self._last_report[rank] = self._clock()
-        if not serving and self._registry.ffn[rank].state is not MemberState.GONE:
+        if loop is LoopState.STOPPED and self._registry.ffn[rank].state is not MemberState.GONE:
             self._stopped.setdefault(rank, "its FFN loop stopped")
 
     def record_bytes(self, num_bytes: int) -> None:

@@ -33,7 +33,7 @@ from afd_ray.config import (
 )
 from afd_ray.connector.channel import FFNChannel
 from afd_ray.connector.process_group import new_process_group
-from afd_ray.control.membership import EPAssignment, FFNMember, LayoutPlan, MemberState
+from afd_ray.control.membership import EPAssignment, FFNMember, LayoutPlan, LoopState, MemberState
 from afd_ray.control.serve_api import app_deleting
 from afd_ray.ffn.ep import EPGroup
 from afd_ray.ffn.model import FFNStack, load_ffn_stack
@@ -133,7 +133,7 @@ class FFNServer:
         return EPGroup(group, moe[0].spec.num_experts, self._load[2])
 
     async def _report(self) -> None:
-        """Every `_REPORT_PERIOD_S`: report counters and whether the loop runs (the
+        """Every `_REPORT_PERIOD_S`: report counters and what the loop does (the
         coordinator's heartbeat), and act on its directive. A failed report (the
         coordinator is restarting) is logged and the next one tried."""
         while True:
@@ -143,8 +143,7 @@ class FFNServer:
                 self._publisher.publish(stats, expert_tokens, runtime.epoch, steps)
             try:
                 directive = await self._coordinator.report_ffn.remote(
-                    self.rank, stats, expert_tokens, runtime.epoch, runtime.take_pause(), steps,
-                    self._loop.is_alive(),
+                    self.rank, stats, expert_tokens, runtime.epoch, runtime.take_pause(), steps, self._loop_state(),
                 )
                 if directive.rejoin:  # a restarted coordinator: tell it who this rank is
                     await self._rejoin()
@@ -159,6 +158,11 @@ class FFNServer:
                 self._preparation = asyncio.create_task(self._prepare(plan))
                 self._preparation.add_done_callback(_log_failure)
             await asyncio.sleep(_REPORT_PERIOD_S)
+
+    def _loop_state(self) -> LoopState:
+        if not self._loop.is_alive():
+            return LoopState.STOPPED
+        return LoopState.EP_LOST if self._runtime.ep_lost else LoopState.SERVING
 
     async def _rejoin(self) -> None:
         """Re-register with a restarted coordinator: this rank, its address and the

@@ -11,7 +11,7 @@ import pytest
 
 from afd_ray.config import AttentionPoolConfig, FFNPoolConfig
 from afd_ray.connector.channel import FFNAddress
-from afd_ray.control.membership import AttentionMember, FFNMember, MemberState
+from afd_ray.control.membership import AttentionMember, FFNMember, LoopState, MemberState
 from afd_ray.control.placement import (
     check_sizes,
     clamp,
@@ -198,9 +198,9 @@ def test_recovery_finds_dead_ranks() -> None:
         recovery = Recovery(registry, resizer, "app", heartbeat_timeout_s=0.05, wait_s=1)
         assert recovery.dead({"a": "RUNNING", "b": "RUNNING"}) == {}
         assert "replica b vanished" in recovery.dead({"a": "RUNNING"})[1]
-        recovery.heard(0, serving=False)
+        recovery.heard(0, LoopState.STOPPED)
         assert recovery.dead(None) == {0: "its FFN loop stopped"}
-        recovery.heard(1, serving=True)
+        recovery.heard(1, LoopState.SERVING)
         await asyncio.sleep(0.1)
         assert "no report for" in recovery.dead(None)[1]
 

@@ -141,7 +141,8 @@ def _whole(http: httpx.Client) -> bool:
     status = _status(http)
     if status is None:
         return False
-    layout = {m["rank"] for m in status["ffn"] if m["state"] == "ready" and m["ep_rank"] is not None}
+    layout = {m["rank"] for m in status["ffn"]
+              if m["state"] == "ready" and m["ep_rank"] is not None and m["loop"] == "serving"}  # fmt: skip
     attention = [m for m in status["attention"] if m["state"] != "gone"]
     return (len(layout) == status["target_ffn"] and len(attention) == status["target_attention"]
             and all(m["state"] == "ready" and m["ffn_peer"] in layout and m["peered_epoch"] >= m["epoch"]
@@ -260,17 +261,36 @@ def test_ep2_ffn_sigkill_the_survivor_reforms_the_ep_group(chaos: httpx.Client, 
     survivor's EP collective fails: it closes its attention pairs and waits; the
     coordinator re-forms the EP group from the survivor (same EP rank, no reload) and
     the replacement Serve starts (it loads the lost shard) under a new epoch, and
-    re-peers both attention ranks; each repeats its current layer there."""
+    re-peers both attention ranks; each repeats its current layer there. Meanwhile
+    `/afd/status` says the survivor's loop is `ep_lost`, then `serving` again."""
     _scale_to_2a2f(chaos)
     before = chaos.get("/afd/status").json()
     survivors = {m["rank"]: m["ep_rank"] for m in before["ffn"] if m["state"] == "ready"}
     assert len(survivors) == 2 and sorted(survivors.values()) == [0, 1], before["ffn"]
-    row = _kill_ffn(chaos, reference, _pids("ffn")[0])
+    loops: dict[int, set[str | None]] = {rank: set() for rank in survivors}
+    done = threading.Event()
+
+    def sample() -> None:  # what /afd/status says each FFN rank's loop does, meanwhile
+        while not done.wait(0.3):
+            for member in (_status(chaos) or {}).get("ffn", []):
+                if member["rank"] in loops:
+                    loops[member["rank"]].add(member["loop"])
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        row = _kill_ffn(chaos, reference, _pids("ffn")[0])
+    finally:
+        done.set()
+        sampler.join()
     (lost,) = row["lost"]
     after = chaos.get("/afd/status").json()
     ranks = {m["rank"]: m["ep_rank"] for m in after["ffn"] if m["state"] == "ready" and m["ep_rank"] is not None}
     survivor = next(r for r in survivors if r != lost)
     assert len(ranks) == 2 and ranks[survivor] == survivors[survivor], (survivors, ranks)  # kept its experts
+    # truthful while its EP group was lost (it said `serving` before), serving again once re-formed
+    assert "ep_lost" in loops[survivor], loops
+    assert next(m["loop"] for m in after["ffn"] if m["rank"] == survivor) == "serving", after["ffn"]
     print(f"\nFFN chaos (2A:2F EP2 tiny Qwen3-MoE, float32, CPU; EP rank {survivors[lost]} killed):")
     print("  " + json.dumps(row))
 
