@@ -173,15 +173,17 @@ class Coordinator:
         `loop` STOPPED (its FFN loop ended) makes it dead.
 
         Returns:
-            The layout this rank must prepare while a resize or recovery is pending,
-            and its attention peers that vanished without LEAVE.
+            `fenced` for a rank this coordinator removed (GONE): it must never serve
+            again, and nothing it reports is recorded; else the layout this rank must
+            prepare while a resize or recovery is pending, and its attention peers that
+            vanished without LEAVE.
         """
         registry = self._registry
         if rank not in registry.ffn:  # this coordinator restarted
             return FFNDirective(rejoin=True)
         member = registry.ffn[rank]
-        if member.state is MemberState.GONE:
-            return FFNDirective()
+        if member.state is MemberState.GONE:  # e.g. found dead while its process was stopped, now running again
+            return FFNDirective(fenced=True)
         self._recovery.heard(rank, loop)
         if loop is LoopState.STOPPED:
             await registry.notify()

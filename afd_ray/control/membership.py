@@ -135,6 +135,10 @@ class FFNDirective(_Record):
     rejoin: bool = False
     """The coordinator does not know this rank (it restarted): re-register
     (`Coordinator.rejoin_ffn`)."""
+    fenced: bool = False
+    """The coordinator removed this rank (found dead, or scaled in); it must never
+    serve again: stop the loop (closing every pair) and fail Serve's health check, so
+    that Serve replaces the replica."""
 
 
 class AttentionDirective(_Record):

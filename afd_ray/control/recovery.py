@@ -8,6 +8,11 @@ Detection, whichever comes first:
 - it reported that its FFN loop stopped (an EP collective or a receive failed);
 - it sent no report for `ffn.heartbeat_timeout_s` (a hung replica).
 
+A rank removed while its process still lives (e.g. it was stopped, then continued)
+is fenced: the coordinator answers its next report with `fenced`, and the rank stops
+its loop and fails Serve's health check, so Serve replaces it; the replacement is
+what the re-formed layout waits for. It never serves again, under any epoch.
+
 Recovery, under the layout lock (no resize interleaves):
 1. the lost ranks are GONE and leave the layout at once, so no new attention rank is
    peered with them (`assign_attention` waits while the layout is empty);

@@ -1,9 +1,11 @@
 """Chaos: SIGKILL the FFN replica's process while greedy streams run, twice in a row,
 and the service comes back by itself; SIGKILL the coordinator and serving goes on;
-then, scaled to 2A:2F (EP2 over the two FFN ranks), SIGKILL one of the two FFN
-ranks, and SIGKILL one of the two attention replicas: its streams resume on the
-other (a tiny Qwen3-MoE, float32, real Ray cluster, real vLLM, real HTTP; one app
-for all, the tests run in this order).
+SIGSTOP the FFN replica's process past `ffn.heartbeat_timeout_s`, then SIGCONT: the
+coordinator removed it meanwhile, so it is fenced and replaced; then, scaled to 2A:2F
+(EP2 over the two FFN ranks), SIGKILL one of the two FFN ranks, and SIGKILL one of
+the two attention replicas: its streams resume on the other (a tiny Qwen3-MoE,
+float32, real Ray cluster, real vLLM, real HTTP; one app for all, the tests run in
+this order).
 
 What is checked, per FFN kill:
 - a pause, not a request: every stream completes with exactly the tokens of the
@@ -26,7 +28,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,6 +47,13 @@ PROMPTS = ["The quick brown fox", "def main():", "Hello, my name is", "import os
 MAX_TOKENS = 64
 KILLS = 2
 WHOLE_WITHIN_S = 300
+HEARTBEAT_S = 15
+"""`ffn.heartbeat_timeout_s` of the app: how long the SIGSTOP test stops an FFN rank
+(the 30 s default guards a loading SmolLM2 rank on a loaded machine; this app's ranks
+load a tiny model)."""
+REPLACED_WITHIN_S = 60
+"""Bound on Serve replacing a fenced FFN replica after SIGCONT: its next report (0.2 s)
+fences it, and 3 failed health checks (every 2 s) make Serve replace it."""
 
 
 @dataclass
@@ -82,7 +91,7 @@ def chaos(serve_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         "model": {"source": str(checkpoint), "served_name": "tiny", "max_model_len": 512},
         "attention": {"num_ranks": 1, "max_ranks": 2, "kv_cache_gib": 0.125, "max_num_seqs": 8,
                       "bundle_resources": 0.5},
-        "ffn": {"num_ranks": 1, "max_ranks": 2, "bundle_resources": 0.5},
+        "ffn": {"num_ranks": 1, "max_ranks": 2, "bundle_resources": 0.5, "heartbeat_timeout_s": HEARTBEAT_S},
         "connector": {"timeout_s": 60},
     }  # fmt: skip
     serve.run(build_app(args), name=NAME, route_prefix=PREFIX, external_scaler_enabled=True)
@@ -149,17 +158,46 @@ def _whole(http: httpx.Client) -> bool:
                     for m in attention))  # fmt: skip
 
 
-def _kill_ffn(chaos: httpx.Client, reference: list[list[int]], pid: int) -> dict:
-    """SIGKILL FFN process `pid` while 4 greedy streams run; check that each equals
-    the unfailed run and that the layout becomes whole again; returns the figures."""
+def _sigkill(chaos: httpx.Client, pid: int) -> None:
+    os.kill(pid, signal.SIGKILL)
+
+
+def _stop_past_heartbeat(chaos: httpx.Client, pid: int) -> None:
+    """SIGSTOP FFN process `pid` until the coordinator has found it dead (no report for
+    `ffn.heartbeat_timeout_s`), then SIGCONT it, and wait until Serve no longer runs it:
+    its next report tells it that it was removed, it stops serving and fails its
+    health check. Before fencing it kept its replica and served under its old epoch,
+    and no replacement ever started."""
+    recoveries = len(chaos.get("/afd/status").json()["recoveries"])
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + HEARTBEAT_S + 30
+        while len(chaos.get("/afd/status").json()["recoveries"]) == recoveries:
+            assert time.monotonic() < deadline, "the stopped FFN rank was not found dead"
+            time.sleep(0.5)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    resumed = time.monotonic()
+    while pid in _pids("ffn"):
+        assert time.monotonic() - resumed < REPLACED_WITHIN_S, _status(chaos)
+        time.sleep(0.5)
+
+
+def _kill_ffn(
+    chaos: httpx.Client, reference: list[list[int]], pid: int,
+    fault: Callable[[httpx.Client, int], None] = _sigkill,
+) -> dict:  # fmt: skip
+    """`fault` FFN process `pid` (SIGKILL it) while 4 greedy streams run; check that
+    each equals the unfailed run and that the layout becomes whole again; returns
+    the figures."""
     recoveries = len(chaos.get("/afd/status").json()["recoveries"])
     results = [_Result() for _ in PROMPTS]
     threads = [threading.Thread(target=_stream, args=(chaos, i, r)) for i, r in enumerate(results)]
     for thread in threads:
         thread.start()
     _wait_tokens(results)
-    os.kill(pid, signal.SIGKILL)
     killed = time.monotonic()
+    fault(chaos, pid)
     for thread in threads:
         thread.join(120)
     assert not any(thread.is_alive() for thread in threads), "a stream hung"
@@ -241,6 +279,22 @@ def test_coordinator_sigkill_does_not_stop_serving(chaos: httpx.Client, referenc
     _stream(chaos, 1, again)
     assert again.error is None and again.tokens == reference[1], again
     print(f"\ncoordinator SIGKILL: streams unaffected, members rejoined within {rejoined_s:.1f} s")
+
+
+def test_ffn_sigstop_past_the_heartbeat_is_fenced_and_replaced(
+    chaos: httpx.Client, reference: list[list[int]]
+) -> None:
+    """SIGSTOP the FFN rank during 4 greedy streams until the coordinator found it dead
+    by its missed heartbeat, then SIGCONT: it is fenced (it stops serving and fails its
+    health check), Serve replaces it, the layout is re-formed with the replacement,
+    and every stream equals the unfailed run. Before, the resumed rank kept its
+    replica and went on serving under its old epoch while `/afd/status` listed it
+    `gone`, and the layout never became whole again."""
+    pid = _pid("ffn")
+    row = _kill_ffn(chaos, reference, pid, fault=_stop_past_heartbeat)
+    assert "ffn.heartbeat_timeout_s" in row["cause"], row
+    assert pid not in _pids("ffn")
+    print("\nFFN SIGSTOP past the heartbeat, then SIGCONT (1A:1F): " + json.dumps(row))
 
 
 def _scale_to_2a2f(chaos: httpx.Client) -> None:
