@@ -364,14 +364,15 @@ class Coordinator:
 
     async def status(self) -> AFDStatus:
         """Epoch, every attention rank with its state and FFN peer, the attention
-        replicas still waiting for the FFN layout, every FFN rank with its state and
-        counters, targets, resize events, autoscaling signals."""
+        replicas still waiting for the FFN layout, the FFN ranks with their state and
+        counters (a GONE one until the layout is whole again), targets, resize and
+        recovery events, autoscaling signals."""
         registry, targets = self._registry, self._resizer.targets
         return AFDStatus(
             epoch=registry.epoch,
             attention=[registry.attention[r] for r in sorted(registry.attention)],
             attention_waiting={replica: time.monotonic() - since for replica, since in self._joining.items()},
-            ffn=[registry.ffn[r] for r in sorted(registry.ffn)],
+            ffn=registry.listed_ffn(),
             target_attention=targets[ATTENTION_DEPLOYMENT],
             target_ffn=targets[FFN_DEPLOYMENT],
             autoscale_paused=self._paused,

@@ -26,7 +26,9 @@ Recovery, under the layout lock (no resize interleaves):
    with EP, the attention ranks of the surviving EP ranks are re-peered too, under
    new epochs with the same peer: a surviving rank whose EP group failed closed
    their pairs (`afd_ray.ffn.runtime`), and their in-step retry waits for a newer
-   epoch; an attention rank whose engine failed with its peer is replaced by Serve.
+   epoch; an attention rank whose engine failed with its peer is replaced by Serve;
+4. the lost ranks are retired: `/afd/status` lists them (GONE) only until the
+   layout is whole again; `recoveries` keeps each loss.
 
 The FFN side holds no request state, so nothing but time is lost on the FFN side.
 """
@@ -159,6 +161,7 @@ class Recovery:
             self._remove(dead)
             await registry.notify()
             if not lost:  # a rank that had not joined a layout yet: Serve replaces it
+                registry.retire_gone_ffn(self._resizer.targets[FFN_DEPLOYMENT])
                 return
             event = RecoveryEvent(lost=lost, cause=dead[first], detected_s=time.time(), since_report_s=since)
             index = len(self.events)
@@ -176,6 +179,7 @@ class Recovery:
                         if member.state is MemberState.READY and rank not in moved and member.ffn_peer in before:
                             registry.repeer(rank, member.ffn_peer)
                 await registry.notify()
+                registry.retire_gone_ffn(self._resizer.targets[FFN_DEPLOYMENT])
                 update = {"epoch": plan.epoch, "whole_s": time.monotonic() - started, "bytes_loaded": self._bytes}
                 logger.info("FFN layout recovered: EP ranks %s (epoch %d) %.1f s after losing %s", plan.ranks,
                             plan.epoch, update["whole_s"], lost)  # fmt: skip

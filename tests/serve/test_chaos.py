@@ -17,7 +17,8 @@ What is checked, per FFN kill:
 - the coordinator records the loss (`/afd/status` `recoveries`): how it was found, the
   detection delay, the time until the FFN layout served again, the bytes reloaded;
 - the layout is whole again (FFN target serving, the attention ranks READY on live
-  FFN peers) and a new request equals the unfailed run.
+  FFN peers), `/afd/status` no longer lists the lost rank (the loss stays in
+  `recoveries`), and a new request equals the unfailed run.
 The figures are printed (run with -s to see them).
 """
 
@@ -188,8 +189,8 @@ def _kill_ffn(
     fault: Callable[[httpx.Client, int], None] = _sigkill,
 ) -> dict:  # fmt: skip
     """`fault` FFN process `pid` (SIGKILL it) while 4 greedy streams run; check that
-    each equals the unfailed run and that the layout becomes whole again; returns
-    the figures."""
+    each equals the unfailed run, that the layout becomes whole again and that the
+    lost rank is then no longer listed; returns the figures."""
     recoveries = len(chaos.get("/afd/status").json()["recoveries"])
     results = [_Result() for _ in PROMPTS]
     threads = [threading.Thread(target=_stream, args=(chaos, i, r)) for i, r in enumerate(results)]
@@ -221,6 +222,7 @@ def _kill_ffn(
     assert len(status["recoveries"]) == recoveries + 1, status["recoveries"]
     event = status["recoveries"][-1]
     assert event["error"] is None and event["whole_s"] is not None, event
+    assert not set(event["lost"]) & {m["rank"] for m in status["ffn"]}, status["ffn"]  # listed only while recovering
     gaps = [b - a for r in results for a, b in zip(r.times, r.times[1:])]
     return {
         "lost": event["lost"], "completed": sum(r.error is None for r in results),
