@@ -167,8 +167,8 @@ def _stop_past_heartbeat(chaos: httpx.Client, pid: int) -> None:
     """SIGSTOP FFN process `pid` until the coordinator has found it dead (no report for
     `ffn.heartbeat_timeout_s`), then SIGCONT it, and wait until Serve no longer runs it:
     its next report tells it that it was removed, it stops serving and fails its
-    health check. Before fencing it kept its replica and served under its old epoch,
-    and no replacement ever started."""
+    health check. Before fencing it kept its replica, its loop and its attention pair
+    under its old epoch, and no replacement started."""
     recoveries = len(chaos.get("/afd/status").json()["recoveries"])
     os.kill(pid, signal.SIGSTOP)
     try:
@@ -290,8 +290,8 @@ def test_ffn_sigstop_past_the_heartbeat_is_fenced_and_replaced(
     by its missed heartbeat, then SIGCONT: it is fenced (it stops serving and fails its
     health check), Serve replaces it, the layout is re-formed with the replacement,
     and every stream equals the unfailed run. Before, the resumed rank kept its
-    replica and went on serving under its old epoch while `/afd/status` listed it
-    `gone`, and the layout never became whole again."""
+    replica, its loop and its attention pair under its old epoch while `/afd/status`
+    listed it `gone`, and 60 s after SIGCONT Serve still ran it."""
     pid = _pid("ffn")
     row = _kill_ffn(chaos, reference, pid, fault=_stop_past_heartbeat)
     assert "ffn.heartbeat_timeout_s" in row["cause"], row
