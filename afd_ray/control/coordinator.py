@@ -43,6 +43,7 @@ from afd_ray.control.membership import (
     EPAssignment,
     FFNDirective,
     FFNMember,
+    LoopState,
     MemberState,
     PoolLoad,
     ResizeEvent,
@@ -163,28 +164,30 @@ class Coordinator:
         epoch: int,
         pause_s: float,
         steps: list[FFNStep] | None = None,
-        serving: bool = True,
+        loop: LoopState = LoopState.SERVING,
     ) -> FFNDirective:
         """Replace the counters and expert load of FFN rank `rank`, which serves layout
         `epoch` and paused its steps at most `pause_s` seconds at a step boundary since
         its last report; feed its counters to the autoscaling signals and keep its new
         step records (`steps`) for `trace`. Each report is the rank's heartbeat;
-        `serving` False (its FFN loop stopped) makes it dead.
+        `loop` STOPPED (its FFN loop ended) makes it dead.
 
         Returns:
-            The layout this rank must prepare while a resize or recovery is pending,
-            and its attention peers that vanished without LEAVE.
+            `fenced` for a rank this coordinator removed (GONE): it must never serve
+            again, and nothing it reports is recorded; else the layout this rank must
+            prepare while a resize or recovery is pending, and its attention peers that
+            vanished without LEAVE.
         """
         registry = self._registry
         if rank not in registry.ffn:  # this coordinator restarted
             return FFNDirective(rejoin=True)
-        self._recovery.heard(rank, serving)
         member = registry.ffn[rank]
-        if member.state is MemberState.GONE:
-            return FFNDirective()
-        if not serving:
+        if member.state is MemberState.GONE:  # e.g. found dead while its process was stopped, now running again
+            return FFNDirective(fenced=True)
+        self._recovery.heard(rank, loop)
+        if loop is LoopState.STOPPED:
             await registry.notify()
-        update = vars(stats) | {"expert_tokens": expert_tokens, "epoch": epoch}  # shallow: `split` stays a StepSplit
+        update = vars(stats) | {"expert_tokens": expert_tokens, "epoch": epoch, "loop": loop}  # shallow: a StepSplit
         if member.state is MemberState.STARTING and rank in registry.layout and epoch == registry.layout_epoch:
             update["state"] = member.state.to(MemberState.READY)
             update["ep_rank"] = registry.layout.index(rank)
@@ -194,7 +197,7 @@ class Coordinator:
             logger.info("FFN rank %d paused %.4f s at a step boundary (epoch %d)", rank, pause_s, epoch)
         self._signals.report_ffn(rank, stats, time.time())
         self._steps.add_ffn(rank, steps or [])
-        if epoch != member.epoch or "state" in update:
+        if epoch != member.epoch or "state" in update or loop is not member.loop:
             await registry.notify()
         return registry.ffn_directive(rank, epoch)
 
@@ -361,14 +364,15 @@ class Coordinator:
 
     async def status(self) -> AFDStatus:
         """Epoch, every attention rank with its state and FFN peer, the attention
-        replicas still waiting for the FFN layout, every FFN rank with its state and
-        counters, targets, resize events, autoscaling signals."""
+        replicas still waiting for the FFN layout, the FFN ranks with their state and
+        counters (a GONE one until the layout is whole again), targets, resize and
+        recovery events, autoscaling signals."""
         registry, targets = self._registry, self._resizer.targets
         return AFDStatus(
             epoch=registry.epoch,
             attention=[registry.attention[r] for r in sorted(registry.attention)],
             attention_waiting={replica: time.monotonic() - since for replica, since in self._joining.items()},
-            ffn=[registry.ffn[r] for r in sorted(registry.ffn)],
+            ffn=registry.listed_ffn(),
             target_attention=targets[ATTENTION_DEPLOYMENT],
             target_ffn=targets[FFN_DEPLOYMENT],
             autoscale_paused=self._paused,

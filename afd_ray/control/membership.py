@@ -25,6 +25,7 @@ __all__ = [
     "FFNDirective",
     "FFNMember",
     "LayoutPlan",
+    "LoopState",
     "MemberState",
     "PoolLoad",
     "RecoveryEvent",
@@ -56,6 +57,18 @@ class MemberState(str, Enum):
         if order.index(new) < order.index(self) or self is MemberState.GONE:
             raise ValueError(f"member state: {self.value} -> {new.value} is not allowed")
         return new
+
+
+class LoopState(str, Enum):
+    """What an FFN rank's loop does, as the rank reports it (every 0.2 s)."""
+
+    SERVING = "serving"
+    """It serves the steps of the layout of its epoch."""
+    EP_LOST = "ep_lost"
+    """Its EP group failed (another EP rank of its layout died): it serves nothing,
+    its attention pairs are closed, and it waits for the re-formed layout."""
+    STOPPED = "stopped"
+    """The loop ended (it failed, or the coordinator fenced the rank)."""
 
 
 class _Record(BaseModel):
@@ -122,6 +135,10 @@ class FFNDirective(_Record):
     rejoin: bool = False
     """The coordinator does not know this rank (it restarted): re-register
     (`Coordinator.rejoin_ffn`)."""
+    fenced: bool = False
+    """The coordinator removed this rank (found dead, or scaled in); it must never
+    serve again: stop the loop (closing every pair) and fail Serve's health check, so
+    that Serve replaces the replica."""
 
 
 class AttentionDirective(_Record):
@@ -157,6 +174,8 @@ class FFNMember(_Record):
     """Layout epoch this rank serves now (-1 before it joined one)."""
     ep_rank: int | None = None
     """Its EP rank in the coordinator's current layout (None: not in it)."""
+    loop: LoopState | None = None
+    """What its FFN loop did at its latest report (None: no report yet)."""
     steps: int = 0
     layers: int = 0
     tokens: int = 0

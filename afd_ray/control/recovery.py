@@ -8,6 +8,11 @@ Detection, whichever comes first:
 - it reported that its FFN loop stopped (an EP collective or a receive failed);
 - it sent no report for `ffn.heartbeat_timeout_s` (a hung replica).
 
+A rank removed while its process still lives (e.g. it was stopped, then continued)
+is fenced: the coordinator answers its next report with `fenced`, and the rank stops
+its loop and fails Serve's health check, so Serve replaces it; the replacement is
+what the re-formed layout waits for. It never serves again, under any epoch.
+
 Recovery, under the layout lock (no resize interleaves):
 1. the lost ranks are GONE and leave the layout at once, so no new attention rank is
    peered with them (`assign_attention` waits while the layout is empty);
@@ -21,7 +26,9 @@ Recovery, under the layout lock (no resize interleaves):
    with EP, the attention ranks of the surviving EP ranks are re-peered too, under
    new epochs with the same peer: a surviving rank whose EP group failed closed
    their pairs (`afd_ray.ffn.runtime`), and their in-step retry waits for a newer
-   epoch; an attention rank whose engine failed with its peer is replaced by Serve.
+   epoch; an attention rank whose engine failed with its peer is replaced by Serve;
+4. the lost ranks are retired: `/afd/status` lists them (GONE) only until the
+   layout is whole again; `recoveries` keeps each loss.
 
 The FFN side holds no request state, so nothing but time is lost on the FFN side.
 """
@@ -33,7 +40,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from afd_ray.control.membership import MemberState, RecoveryEvent
+from afd_ray.control.membership import LoopState, MemberState, RecoveryEvent
 from afd_ray.control.placement import joining, rebalance_moves, reformed_layout
 from afd_ray.control.registry import Plan, Registry
 from afd_ray.control.resize import FFN_DEPLOYMENT, WATCH_PERIOD_S, Resizer
@@ -74,10 +81,10 @@ class Recovery:
         self.recovering = False
         self._bytes = 0
 
-    def heard(self, rank: int, serving: bool) -> None:
-        """FFN rank `rank` reported; `serving`: its FFN loop still runs."""
+    def heard(self, rank: int, loop: LoopState) -> None:
+        """FFN rank `rank` reported what its FFN loop does (`LoopState.STOPPED`: it ended)."""
         self._last_report[rank] = self._clock()
-        if not serving and self._registry.ffn[rank].state is not MemberState.GONE:
+        if loop is LoopState.STOPPED and self._registry.ffn[rank].state is not MemberState.GONE:
             self._stopped.setdefault(rank, "its FFN loop stopped")
 
     def record_bytes(self, num_bytes: int) -> None:
@@ -154,6 +161,7 @@ class Recovery:
             self._remove(dead)
             await registry.notify()
             if not lost:  # a rank that had not joined a layout yet: Serve replaces it
+                registry.retire_gone_ffn(self._resizer.targets[FFN_DEPLOYMENT])
                 return
             event = RecoveryEvent(lost=lost, cause=dead[first], detected_s=time.time(), since_report_s=since)
             index = len(self.events)
@@ -171,6 +179,7 @@ class Recovery:
                         if member.state is MemberState.READY and rank not in moved and member.ffn_peer in before:
                             registry.repeer(rank, member.ffn_peer)
                 await registry.notify()
+                registry.retire_gone_ffn(self._resizer.targets[FFN_DEPLOYMENT])
                 update = {"epoch": plan.epoch, "whole_s": time.monotonic() - started, "bytes_loaded": self._bytes}
                 logger.info("FFN layout recovered: EP ranks %s (epoch %d) %.1f s after losing %s", plan.ranks,
                             plan.epoch, update["whole_s"], lost)  # fmt: skip

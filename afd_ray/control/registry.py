@@ -71,6 +71,11 @@ class Registry:
         self._next_attention = 0
         self.vanished: set[int] = set()
         """Attention ranks whose replica vanished without leaving (their FFN peer drops them)."""
+        self.retired: set[int] = set()
+        """GONE FFN ranks whose loss is behind: the layout was whole again after they
+        went (`retire_gone_ffn`). `/afd/status` no longer lists them (`recoveries` and
+        `resizes` keep the history); their records stay, so that a late report of one
+        is still fenced and its rank id is never reused."""
         self._formed = False
         """A first layout formed, or members rejoined (a restarted coordinator):
         registering ranks no longer form the first layout."""
@@ -140,6 +145,17 @@ class Registry:
         member = self.attention[rank]
         self.attention[rank] = member.model_copy(update={"ffn_peer": ffn_peer, "epoch": self.next_epoch()})
         logger.info("attention rank %d: FFN peer %d -> %d (epoch %d)", rank, member.ffn_peer, ffn_peer, self.epoch)
+
+    def retire_gone_ffn(self, target: int) -> None:
+        """Retire every GONE FFN rank once the layout is whole again: `target` ranks
+        serve it and no plan is pending (else nothing changes)."""
+        if self.plan is None and len(self.layout) >= target:
+            self.retired.update(r for r, m in self.ffn.items() if m.state is MemberState.GONE)
+
+    def listed_ffn(self) -> list[FFNMember]:
+        """The FFN members `/afd/status` lists, by rank: all but the retired ones (a
+        GONE rank stays listed while the layout it left is not whole again)."""
+        return [m for r, m in sorted(self.ffn.items()) if r not in self.retired]
 
     def switch_layout(self, plan: Plan) -> None:
         """`plan` serves: its ranks become the layout, READY, with their EP ranks."""

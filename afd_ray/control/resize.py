@@ -179,6 +179,7 @@ class Resizer:
                 await self._rebalance(remaining)
                 await self._switch_layout(remaining, leaving=rank)
             registry.update_ffn(rank, state=MemberState.GONE, ep_rank=None)
+            registry.retire_gone_ffn(self.targets[FFN_DEPLOYMENT])
             await registry.notify()
 
     async def _switch_layout(self, ranks: tuple[int, ...], leaving: int | None) -> None:

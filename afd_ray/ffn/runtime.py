@@ -307,6 +307,12 @@ class FFNRuntime:
         self._stop.wait(_LAYOUT_POLL_S)
         return False
 
+    @property
+    def ep_lost(self) -> bool:
+        """Its EP group failed and the re-formed layout has not been handed over yet:
+        the loop serves nothing meanwhile."""
+        return self._ep_lost_at is not None
+
     def stop(self) -> None:
         """Ask `run()` to return within one poll interval."""
         self._stop.set()

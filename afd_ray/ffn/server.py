@@ -6,6 +6,12 @@ the rank then loads its shard of the new layout and opens the new EP group while
 old layout serves, and hands both to the loop, which switches at one agreed step
 boundary (make before break). When Serve stops the replica (scale-in), its
 destructor waits until the coordinator moved its peers and experts elsewhere.
+
+Fencing: once the coordinator removed this rank (found dead, e.g. it was silent past
+`ffn.heartbeat_timeout_s` while its process was stopped), the answer to its next
+report says so; the rank then stops its loop (closing every attention pair, so its
+peers fail over at once) and fails Serve's health check, and Serve replaces it. It
+never serves again, not even under its old epoch.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from afd_ray.config import (
 )
 from afd_ray.connector.channel import FFNChannel
 from afd_ray.connector.process_group import new_process_group
-from afd_ray.control.membership import EPAssignment, FFNMember, LayoutPlan, MemberState
+from afd_ray.control.membership import EPAssignment, FFNMember, LayoutPlan, LoopState, MemberState
 from afd_ray.control.serve_api import app_deleting
 from afd_ray.ffn.ep import EPGroup
 from afd_ray.ffn.model import FFNStack, load_ffn_stack
@@ -109,6 +115,8 @@ class FFNServer:
         ep = await self._ep_group(stack, assignment)
         self._shard = (assignment.ep_rank, assignment.ep_size)
         self._preparing = assignment.epoch
+        self._fenced = False
+        """The coordinator removed this rank: it serves nothing and fails its health check."""
         ep_polls = (ffn.ep_idle_check_us / 1e6, ffn.ep_idle_max_check_us / 1e6)  # an MoE rank may join an EP group
         poll_s, idle_poll_s = ep_polls if _is_moe(stack) else (_STOP_POLL_S, _STOP_POLL_S)
         self._runtime = FFNRuntime(
@@ -140,9 +148,10 @@ class FFNServer:
         return EPGroup(group, moe[0].spec.num_experts, self._load[2])
 
     async def _report(self) -> None:
-        """Every `_REPORT_PERIOD_S`: report counters and whether the loop runs (the
-        coordinator's heartbeat), and act on its directive. A failed report (the
-        coordinator is restarting) is logged and the next one tried."""
+        """Every `_REPORT_PERIOD_S`: report counters and what the loop does (the
+        coordinator's heartbeat), and act on its directive; until the coordinator
+        fences this rank. A failed report (the coordinator is restarting) is logged
+        and the next one tried."""
         while True:
             runtime = self._runtime
             stats, expert_tokens, steps = runtime.stats, runtime.expert_tokens.tolist(), runtime.steps.take_new()
@@ -150,9 +159,11 @@ class FFNServer:
                 self._publisher.publish(stats, expert_tokens, runtime.epoch, steps)
             try:
                 directive = await self._coordinator.report_ffn.remote(
-                    self.rank, stats, expert_tokens, runtime.epoch, runtime.take_pause(), steps,
-                    self._loop.is_alive(),
+                    self.rank, stats, expert_tokens, runtime.epoch, runtime.take_pause(), steps, self._loop_state(),
                 )
+                if directive.fenced:
+                    self._fence()
+                    return
                 if directive.rejoin:  # a restarted coordinator: tell it who this rank is
                     await self._rejoin()
             except Exception:
@@ -166,6 +177,19 @@ class FFNServer:
                 self._preparation = asyncio.create_task(self._prepare(plan))
                 self._preparation.add_done_callback(_log_failure)
             await asyncio.sleep(_REPORT_PERIOD_S)
+
+    def _loop_state(self) -> LoopState:
+        if not self._loop.is_alive():
+            return LoopState.STOPPED
+        return LoopState.EP_LOST if self._runtime.ep_lost else LoopState.SERVING
+
+    def _fence(self) -> None:
+        """The coordinator removed this rank: stop the loop (it closes every pair) and
+        fail the health checks from now on."""
+        logger.warning("FFN rank %d: the coordinator removed it (found dead, or scaled in); it stops serving and "
+                       "fails its health check", self.rank)  # fmt: skip
+        self._fenced = True
+        self._runtime.stop()
 
     async def _rejoin(self) -> None:
         """Re-register with a restarted coordinator: this rank, its address and the
@@ -222,18 +246,22 @@ class FFNServer:
         """Serve's health check.
 
         Raises:
-            RuntimeError: the FFN loop thread has exited (it failed).
+            RuntimeError: the coordinator fenced this rank, or the FFN loop thread
+                has exited (it failed).
         """
+        if self._fenced:
+            raise RuntimeError(f"FFN rank {self.rank}: removed by the coordinator; it serves no more")
         if not self._loop.is_alive():
             raise RuntimeError(f"FFN rank {self.rank}: loop thread exited")
 
     async def __del__(self) -> None:
         """Scale-in (Serve stops this replica): wait until the coordinator moved this
         rank's attention peers and experts to the remaining ranks, then stop the loop.
-        When the whole application is being deleted, just stop."""
+        When the whole application is being deleted, or the rank was fenced (it
+        serves nothing), just stop."""
         if hasattr(self, "_runtime"):
             try:
-                if not await app_deleting(serve.get_replica_context().app_name):
+                if not self._fenced and not await app_deleting(serve.get_replica_context().app_name):
                     await self._coordinator.ffn_leaving.remote(self.rank)
             finally:
                 self._runtime.stop()

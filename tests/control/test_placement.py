@@ -11,7 +11,7 @@ import pytest
 
 from afd_ray.config import AttentionPoolConfig, FFNPoolConfig
 from afd_ray.connector.channel import FFNAddress
-from afd_ray.control.membership import AttentionMember, FFNMember, MemberState
+from afd_ray.control.membership import AttentionMember, FFNMember, LoopState, MemberState
 from afd_ray.control.placement import (
     check_sizes,
     clamp,
@@ -155,6 +155,28 @@ def test_registry_directive_and_layout_switch() -> None:
     assert registry.ffn_directive(1, 1).dead_peers == [member.rank]
 
 
+def test_a_gone_ffn_rank_is_listed_until_the_layout_is_whole_again() -> None:
+    """A lost FFN rank stays listed (GONE) while its layout is short of the target or
+    a new layout is pending; once the layout is whole it is retired: no longer listed,
+    its record kept (still GONE, so a late report is fenced) and its id not reused.
+    On the old registry every GONE rank was listed for ever."""
+    registry = Registry("gloo", 5.0, 1)
+    address = FFNAddress("h", 1, 2)
+    registry.add_ffn(address)
+    registry.update_ffn(0, state=GONE, ep_rank=None)  # found dead: out of the layout
+    registry.layout = ()
+    registry.retire_gone_ffn(target=1)
+    assert [m.rank for m in registry.listed_ffn()] == [0]  # the layout is not whole
+    assert registry.add_ffn(address) == 1  # the replacement
+    registry.plan = Plan(registry.next_epoch(), (1,), None)
+    registry.retire_gone_ffn(target=1)
+    assert [m.rank for m in registry.listed_ffn()] == [0, 1]  # its layout is still pending
+    registry.switch_layout(registry.plan)
+    registry.retire_gone_ffn(target=1)
+    assert [(m.rank, m.state) for m in registry.listed_ffn()] == [(1, READY)]
+    assert registry.ffn[0].state is GONE and registry.add_ffn(address) == 2
+
+
 def test_registry_wait_wakes_on_notify_and_times_out() -> None:
     async def run() -> None:
         registry = Registry("gloo", 5.0, 1)
@@ -198,9 +220,9 @@ def test_recovery_finds_dead_ranks() -> None:
         recovery = Recovery(registry, resizer, "app", heartbeat_timeout_s=0.05, wait_s=1)
         assert recovery.dead({"a": "RUNNING", "b": "RUNNING"}) == {}
         assert "replica b vanished" in recovery.dead({"a": "RUNNING"})[1]
-        recovery.heard(0, serving=False)
+        recovery.heard(0, LoopState.STOPPED)
         assert recovery.dead(None) == {0: "its FFN loop stopped"}
-        recovery.heard(1, serving=True)
+        recovery.heard(1, LoopState.SERVING)
         await asyncio.sleep(0.1)
         assert "no report for" in recovery.dead(None)[1]
 

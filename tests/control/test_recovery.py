@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from afd_ray.config import AFDConfig
 from afd_ray.connector.channel import FFNAddress
+from afd_ray.control.membership import LoopState
 from afd_ray.control.recovery import Recovery
 from afd_ray.control.registry import Registry
 from afd_ray.control.resize import Resizer
@@ -42,12 +43,12 @@ def test_a_loading_ffn_rank_is_not_declared_dead_under_the_defaults() -> None:
     cfg = AFDConfig()
     _, recovery = _recovery(cfg, clock)
     states = {"ffn#0": "RUNNING"}
-    recovery.heard(0, serving=True)
+    recovery.heard(0, LoopState.SERVING)
 
     clock.now += LOADING_SILENCE_S
     assert recovery.dead(states) == {}
 
-    recovery.heard(0, serving=True)
+    recovery.heard(0, LoopState.SERVING)
     clock.now += cfg.ffn.heartbeat_timeout_s + 0.1
     (cause,) = recovery.dead(states).values()
     assert "ffn.heartbeat_timeout_s" in cause
@@ -57,7 +58,7 @@ def test_a_configured_heartbeat_timeout_is_the_bound() -> None:
     """The bound is the configured one, not a constant: 5 s declares the same silence dead."""
     clock = _Clock()
     _, recovery = _recovery(AFDConfig.model_validate({"ffn": {"heartbeat_timeout_s": 5}}), clock)
-    recovery.heard(0, serving=True)
+    recovery.heard(0, LoopState.SERVING)
     clock.now += 4.9
     assert recovery.dead(None) == {}
     clock.now += 0.2

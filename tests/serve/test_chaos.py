@@ -1,9 +1,11 @@
 """Chaos: SIGKILL the FFN replica's process while greedy streams run, twice in a row,
 and the service comes back by itself; SIGKILL the coordinator and serving goes on;
-then, scaled to 2A:2F (EP2 over the two FFN ranks), SIGKILL one of the two FFN
-ranks, and SIGKILL one of the two attention replicas: its streams resume on the
-other (a tiny Qwen3-MoE, float32, real Ray cluster, real vLLM, real HTTP; one app
-for all, the tests run in this order).
+SIGSTOP the FFN replica's process past `ffn.heartbeat_timeout_s`, then SIGCONT: the
+coordinator removed it meanwhile, so it is fenced and replaced; then, scaled to 2A:2F
+(EP2 over the two FFN ranks), SIGKILL one of the two FFN ranks, and SIGKILL one of
+the two attention replicas: its streams resume on the other (a tiny Qwen3-MoE,
+float32, real Ray cluster, real vLLM, real HTTP; one app for all, the tests run in
+this order).
 
 What is checked, per FFN kill:
 - a pause, not a request: every stream completes with exactly the tokens of the
@@ -15,7 +17,8 @@ What is checked, per FFN kill:
 - the coordinator records the loss (`/afd/status` `recoveries`): how it was found, the
   detection delay, the time until the FFN layout served again, the bytes reloaded;
 - the layout is whole again (FFN target serving, the attention ranks READY on live
-  FFN peers) and a new request equals the unfailed run.
+  FFN peers), `/afd/status` no longer lists the lost rank (the loss stays in
+  `recoveries`), and a new request equals the unfailed run.
 The figures are printed (run with -s to see them).
 """
 
@@ -26,7 +29,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,6 +48,13 @@ PROMPTS = ["The quick brown fox", "def main():", "Hello, my name is", "import os
 MAX_TOKENS = 64
 KILLS = 2
 WHOLE_WITHIN_S = 300
+HEARTBEAT_S = 15
+"""`ffn.heartbeat_timeout_s` of the app: how long the SIGSTOP test stops an FFN rank
+(the 30 s default guards a loading SmolLM2 rank on a loaded machine; this app's ranks
+load a tiny model)."""
+REPLACED_WITHIN_S = 60
+"""Bound on Serve replacing a fenced FFN replica after SIGCONT: its next report (0.2 s)
+fences it, and 3 failed health checks (every 2 s) make Serve replace it."""
 
 
 @dataclass
@@ -82,7 +92,7 @@ def chaos(serve_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         "model": {"source": str(checkpoint), "served_name": "tiny", "max_model_len": 512},
         "attention": {"num_ranks": 1, "max_ranks": 2, "kv_cache_gib": 0.125, "max_num_seqs": 8,
                       "bundle_resources": 0.5},
-        "ffn": {"num_ranks": 1, "max_ranks": 2, "bundle_resources": 0.5},
+        "ffn": {"num_ranks": 1, "max_ranks": 2, "bundle_resources": 0.5, "heartbeat_timeout_s": HEARTBEAT_S},
         "connector": {"timeout_s": 60},
     }  # fmt: skip
     serve.run(build_app(args), name=NAME, route_prefix=PREFIX, external_scaler_enabled=True)
@@ -141,24 +151,54 @@ def _whole(http: httpx.Client) -> bool:
     status = _status(http)
     if status is None:
         return False
-    layout = {m["rank"] for m in status["ffn"] if m["state"] == "ready" and m["ep_rank"] is not None}
+    layout = {m["rank"] for m in status["ffn"]
+              if m["state"] == "ready" and m["ep_rank"] is not None and m["loop"] == "serving"}  # fmt: skip
     attention = [m for m in status["attention"] if m["state"] != "gone"]
     return (len(layout) == status["target_ffn"] and len(attention) == status["target_attention"]
             and all(m["state"] == "ready" and m["ffn_peer"] in layout and m["peered_epoch"] >= m["epoch"]
                     for m in attention))  # fmt: skip
 
 
-def _kill_ffn(chaos: httpx.Client, reference: list[list[int]], pid: int) -> dict:
-    """SIGKILL FFN process `pid` while 4 greedy streams run; check that each equals
-    the unfailed run and that the layout becomes whole again; returns the figures."""
+def _sigkill(chaos: httpx.Client, pid: int) -> None:
+    os.kill(pid, signal.SIGKILL)
+
+
+def _stop_past_heartbeat(chaos: httpx.Client, pid: int) -> None:
+    """SIGSTOP FFN process `pid` until the coordinator has found it dead (no report for
+    `ffn.heartbeat_timeout_s`), then SIGCONT it, and wait until Serve no longer runs it:
+    its next report tells it that it was removed, it stops serving and fails its
+    health check. Before fencing it kept its replica, its loop and its attention pair
+    under its old epoch, and no replacement started."""
+    recoveries = len(chaos.get("/afd/status").json()["recoveries"])
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + HEARTBEAT_S + 30
+        while len(chaos.get("/afd/status").json()["recoveries"]) == recoveries:
+            assert time.monotonic() < deadline, "the stopped FFN rank was not found dead"
+            time.sleep(0.5)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    resumed = time.monotonic()
+    while pid in _pids("ffn"):
+        assert time.monotonic() - resumed < REPLACED_WITHIN_S, _status(chaos)
+        time.sleep(0.5)
+
+
+def _kill_ffn(
+    chaos: httpx.Client, reference: list[list[int]], pid: int,
+    fault: Callable[[httpx.Client, int], None] = _sigkill,
+) -> dict:  # fmt: skip
+    """`fault` FFN process `pid` (SIGKILL it) while 4 greedy streams run; check that
+    each equals the unfailed run, that the layout becomes whole again and that the
+    lost rank is then no longer listed; returns the figures."""
     recoveries = len(chaos.get("/afd/status").json()["recoveries"])
     results = [_Result() for _ in PROMPTS]
     threads = [threading.Thread(target=_stream, args=(chaos, i, r)) for i, r in enumerate(results)]
     for thread in threads:
         thread.start()
     _wait_tokens(results)
-    os.kill(pid, signal.SIGKILL)
     killed = time.monotonic()
+    fault(chaos, pid)
     for thread in threads:
         thread.join(120)
     assert not any(thread.is_alive() for thread in threads), "a stream hung"
@@ -182,6 +222,7 @@ def _kill_ffn(chaos: httpx.Client, reference: list[list[int]], pid: int) -> dict
     assert len(status["recoveries"]) == recoveries + 1, status["recoveries"]
     event = status["recoveries"][-1]
     assert event["error"] is None and event["whole_s"] is not None, event
+    assert not set(event["lost"]) & {m["rank"] for m in status["ffn"]}, status["ffn"]  # listed only while recovering
     gaps = [b - a for r in results for a, b in zip(r.times, r.times[1:])]
     return {
         "lost": event["lost"], "completed": sum(r.error is None for r in results),
@@ -242,6 +283,22 @@ def test_coordinator_sigkill_does_not_stop_serving(chaos: httpx.Client, referenc
     print(f"\ncoordinator SIGKILL: streams unaffected, members rejoined within {rejoined_s:.1f} s")
 
 
+def test_ffn_sigstop_past_the_heartbeat_is_fenced_and_replaced(
+    chaos: httpx.Client, reference: list[list[int]]
+) -> None:
+    """SIGSTOP the FFN rank during 4 greedy streams until the coordinator found it dead
+    by its missed heartbeat, then SIGCONT: it is fenced (it stops serving and fails its
+    health check), Serve replaces it, the layout is re-formed with the replacement,
+    and every stream equals the unfailed run. Before, the resumed rank kept its
+    replica, its loop and its attention pair under its old epoch while `/afd/status`
+    listed it `gone`, and 60 s after SIGCONT Serve still ran it."""
+    pid = _pid("ffn")
+    row = _kill_ffn(chaos, reference, pid, fault=_stop_past_heartbeat)
+    assert "ffn.heartbeat_timeout_s" in row["cause"], row
+    assert pid not in _pids("ffn")
+    print("\nFFN SIGSTOP past the heartbeat, then SIGCONT (1A:1F): " + json.dumps(row))
+
+
 def _scale_to_2a2f(chaos: httpx.Client) -> None:
     """Resize to 2A:2F (EP2 over the two FFN ranks) unless there already, and wait
     (bounded) until the layout is whole."""
@@ -260,17 +317,36 @@ def test_ep2_ffn_sigkill_the_survivor_reforms_the_ep_group(chaos: httpx.Client, 
     survivor's EP collective fails: it closes its attention pairs and waits; the
     coordinator re-forms the EP group from the survivor (same EP rank, no reload) and
     the replacement Serve starts (it loads the lost shard) under a new epoch, and
-    re-peers both attention ranks; each repeats its current layer there."""
+    re-peers both attention ranks; each repeats its current layer there. Meanwhile
+    `/afd/status` says the survivor's loop is `ep_lost`, then `serving` again."""
     _scale_to_2a2f(chaos)
     before = chaos.get("/afd/status").json()
     survivors = {m["rank"]: m["ep_rank"] for m in before["ffn"] if m["state"] == "ready"}
     assert len(survivors) == 2 and sorted(survivors.values()) == [0, 1], before["ffn"]
-    row = _kill_ffn(chaos, reference, _pids("ffn")[0])
+    loops: dict[int, set[str | None]] = {rank: set() for rank in survivors}
+    done = threading.Event()
+
+    def sample() -> None:  # what /afd/status says each FFN rank's loop does, meanwhile
+        while not done.wait(0.3):
+            for member in (_status(chaos) or {}).get("ffn", []):
+                if member["rank"] in loops:
+                    loops[member["rank"]].add(member["loop"])
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        row = _kill_ffn(chaos, reference, _pids("ffn")[0])
+    finally:
+        done.set()
+        sampler.join()
     (lost,) = row["lost"]
     after = chaos.get("/afd/status").json()
     ranks = {m["rank"]: m["ep_rank"] for m in after["ffn"] if m["state"] == "ready" and m["ep_rank"] is not None}
     survivor = next(r for r in survivors if r != lost)
     assert len(ranks) == 2 and ranks[survivor] == survivors[survivor], (survivors, ranks)  # kept its experts
+    # truthful while its EP group was lost (it said `serving` before), serving again once re-formed
+    assert "ep_lost" in loops[survivor], loops
+    assert next(m["loop"] for m in after["ffn"] if m["rank"] == survivor) == "serving", after["ffn"]
     print(f"\nFFN chaos (2A:2F EP2 tiny Qwen3-MoE, float32, CPU; EP rank {survivors[lost]} killed):")
     print("  " + json.dumps(row))
 
