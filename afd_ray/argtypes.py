@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import math
 
-__all__ = ["positive", "positive_int"]
+__all__ = ["http_url", "positive", "positive_int"]
 
 
 def positive(text: str) -> float:
@@ -24,3 +24,16 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
     return value
+
+
+def http_url(text: str) -> str:
+    """An `http://` or `https://` address with a host (and a valid port, if any)."""
+    import httpx
+
+    try:
+        url = httpx.URL(text)
+    except httpx.InvalidURL as e:
+        raise argparse.ArgumentTypeError(f"not a URL ({e}): {text!r}") from e
+    if url.scheme not in ("http", "https") or not url.host:
+        raise argparse.ArgumentTypeError(f"expected http(s)://host[:port], got {text!r}")
+    return text

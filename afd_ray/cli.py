@@ -27,7 +27,7 @@ import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from afd_ray.argtypes import positive, positive_int
+from afd_ray.argtypes import http_url, positive, positive_int
 from afd_ray.config import EMBEDDED_MODELS
 from afd_ray.models import FAMILIES
 from afd_ray.observability.cli import add_dashboards, add_trace
@@ -224,6 +224,7 @@ def _add_autoscale(subparsers: argparse._SubParsersAction) -> None:
     )
     record.add_argument(
         "--url",
+        type=http_url,
         default="http://127.0.0.1:8000",
         help="application URL (default: %(default)s)",
     )
@@ -247,7 +248,7 @@ def _add_autoscale(subparsers: argparse._SubParsersAction) -> None:
         "validated first, a bad field is named; starts the autoscaler if the deployment had none",
     )
     apply.add_argument("--policy", type=Path, required=True, help="policy YAML to apply")
-    apply.add_argument("--url", default="http://127.0.0.1:8000", help="application URL (default: %(default)s)")
+    apply.add_argument("--url", type=http_url, default="http://127.0.0.1:8000", help="application URL (default: %(default)s)")
     _add_admin_key(apply)
     apply.set_defaults(handler=_autoscale_apply)
 
@@ -298,7 +299,7 @@ def _add_scale(subparsers: argparse._SubParsersAction) -> None:
     )
     scale.add_argument("--attention", type=positive_int, required=True, help="attention ranks")
     scale.add_argument("--ffn", type=positive_int, required=True, help="FFN ranks")
-    scale.add_argument("--url", default="http://127.0.0.1:8000", help="the deployment's HTTP address")
+    scale.add_argument("--url", type=http_url, default="http://127.0.0.1:8000", help="the deployment's HTTP address")
     scale.add_argument("--timeout", type=positive, default=900.0, help="seconds to wait (default: 900)")
     _add_admin_key(scale)
     scale.set_defaults(handler=_scale)

@@ -41,7 +41,9 @@ EMBEDDED_MODELS = ("smollm2", "smollm2-moe")
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+    # strict: no coercion of other types; allow_inf_nan=False: an infinite duration
+    # or size is refused here, not when a replica computes with it
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class ModelConfig(_Section):
@@ -300,7 +302,7 @@ class AutoscaleConfig(_Section):
     """Let the autoscaling policy change the pool sizes (a manual resize pauses it
     until `POST /afd/autoscale/resume`)."""
 
-    policy: str | None = None
+    policy: str | None = Field(None, min_length=1)
     """Path of the autoscaling policy YAML (`afd_ray.autoscale.policy.AutoscalePolicy`,
     e.g. `deployments/autoscale.yaml`); needed when `enabled`."""
 

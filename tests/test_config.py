@@ -47,6 +47,25 @@ def test_values_of_another_type_are_refused_not_converted(args: dict[str, object
     assert field in str(error.value)
 
 
+@pytest.mark.parametrize(
+    ("args", "field"),
+    [
+        ({"connector": {"timeout_s": float("inf")}}, "connector.timeout_s"),
+        ({"attention": {"kv_cache_gib": float("inf")}}, "attention.kv_cache_gib"),
+        ({"ffn": {"placement": {"resources": {"fast": float("inf")}}}}, "ffn.placement.resources.fast"),
+        ({"autoscale": {"enabled": True, "policy": ""}}, "autoscale.policy"),
+    ],
+    ids=["inf-timeout", "inf-kv", "inf-resource", "empty-policy"],
+)
+def test_values_that_would_fail_only_in_a_replica_are_refused(args: dict[str, object], field: str) -> None:
+    """A fresh user's report: `.inf` durations and sizes passed validation and failed
+    later in a replica (`timedelta(seconds=inf)`, `int(inf * GIB)`), and `policy: ''`
+    with the autoscaler enabled ran without one, silently."""
+    with pytest.raises(ValidationError) as error:
+        AFDConfig.model_validate(args)
+    assert _field(error.value) == field
+
+
 def test_an_integer_stays_valid_where_a_float_is_expected() -> None:
     cfg = AFDConfig.model_validate({"ffn": {"bundle_resources": 1, "placement": {"resources": {"ffn_node": 1}}}})
     assert cfg.ffn.bundle_resources == 1.0 and cfg.ffn.placement.resources == {"ffn_node": 1.0}

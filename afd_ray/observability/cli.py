@@ -7,6 +7,8 @@ import json
 import os
 from pathlib import Path
 
+from afd_ray.argtypes import http_url
+
 __all__ = ["add_dashboards", "add_trace", "format_trace"]
 
 DEFAULT_DASHBOARD = Path("dashboards/afd.json")
@@ -51,7 +53,7 @@ def add_trace(subparsers: argparse._SubParsersAction) -> None:
         "FFN queue, FFN compute, EP collectives and F2A (GET /afd/trace/<id>)",
     )
     trace.add_argument("request_id", help="the request's id as the OpenAI answer gives it (cmpl-..., chatcmpl-...)")
-    trace.add_argument("--url", default="http://127.0.0.1:8000", help="the deployment's HTTP address")
+    trace.add_argument("--url", type=http_url, default="http://127.0.0.1:8000", help="the deployment's HTTP address")
     trace.add_argument("--json", action="store_true", help="print the steps as JSON")
     trace.set_defaults(handler=_trace)
 
@@ -78,7 +80,7 @@ def add_dashboards(subparsers: argparse._SubParsersAction) -> None:
     export.add_argument("--out", type=Path, default=DEFAULT_DASHBOARD, help=f"default: {DEFAULT_DASHBOARD}")
     export.set_defaults(handler=_export)
     push = sub.add_parser("push", help="create or update the dashboard in a Grafana (grafana-client)")
-    push.add_argument("--url", required=True, help="Grafana's address, e.g. http://grafana:3000")
+    push.add_argument("--url", type=http_url, required=True, help="Grafana's address, e.g. http://grafana:3000")
     push.add_argument("--token-env", required=True,
                       help="environment variable holding a Grafana service-account token")  # fmt: skip
     push.add_argument("--folder-uid", default=None, help="Grafana folder to put it in (default: General)")

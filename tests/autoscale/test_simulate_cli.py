@@ -107,6 +107,25 @@ def test_scale_to_no_ranks_is_a_usage_error(pool: str, count: str, capsys: pytes
     assert f"argument {pool}: must be >= 1, got {count}" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["scale", "--attention", "1", "--ffn", "1"],
+        ["autoscale", "apply", "--policy", str(POLICY)],
+        ["trace", "some-id"],
+    ],
+    ids=["scale", "apply", "trace"],
+)
+@pytest.mark.parametrize("url", ["http://[::1", "ftp://127.0.0.1", "localhost:8000"])
+def test_a_bad_url_is_a_usage_error(argv: list[str], url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--url 'http://[::1'` printed two chained tracebacks (httpx.InvalidURL is not an
+    httpx.HTTPError; a fresh user's report)."""
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, "--url", url])
+    assert exit_.value.code == 2
+    assert "argument --url:" in capsys.readouterr().err
+
+
 def test_record_from_an_unreachable_url_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """No traceback when nothing listens (a fresh user got httpx.ConnectError's)."""
     with pytest.raises(SystemExit) as exit_:
