@@ -248,7 +248,9 @@ def _add_autoscale(subparsers: argparse._SubParsersAction) -> None:
         "validated first, a bad field is named; starts the autoscaler if the deployment had none",
     )
     apply.add_argument("--policy", type=Path, required=True, help="policy YAML to apply")
-    apply.add_argument("--url", type=http_url, default="http://127.0.0.1:8000", help="application URL (default: %(default)s)")
+    apply.add_argument(
+        "--url", type=http_url, default="http://127.0.0.1:8000", help="application URL (default: %(default)s)"
+    )
     _add_admin_key(apply)
     apply.set_defaults(handler=_autoscale_apply)
 
