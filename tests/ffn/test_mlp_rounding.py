@@ -26,5 +26,10 @@ def test_activation_rounds_as_the_engine_mode_does() -> None:
         compiled = once.down_proj(torch.compile(SiluAndMul.forward_native, dynamic=False)(gate_up))
         eager = once.down_proj(SiluAndMul.forward_native(gate_up))
         assert not torch.equal(compiled, eager)  # the case tells the two apart
-        assert torch.equal(once(x), compiled)
-        assert torch.equal(twice(x), eager)
+        assert torch.equal(twice(x), eager)  # the same eager torch ops on any CPU
+        # Inductor's vectorized float32 silu may differ from eager torch's by an ulp,
+        # depending on the CPU's vector ISA (AVX2, AVX-512, AMX): compare distances
+        # rather than bits, so that the check holds on any CPU.
+        once_gap = (once(x).float() - compiled.float()).norm()
+        twice_gap = (twice(x).float() - compiled.float()).norm()
+        assert once_gap <= 0.1 * twice_gap, (once_gap, twice_gap)
