@@ -102,9 +102,18 @@ def engine_env(attention: AttentionPoolConfig) -> dict[str, str]:
       instead of spinning, which otherwise starves co-located processes (the FFN
       rank) on few cores (measured: 16 → 47 tok/s on 2 cores).
 
+    - `VLLM_ENABLE_V1_MULTIPROCESSING=0`: the model runs in the EngineCore process
+      (vLLM's `uni` executor), as it does on CUDA with one GPU. `AsyncLLM` still runs
+      its EngineCore in a process of its own; the variable only stops vLLM's CPU
+      platform from forcing the `mp` executor, whose extra worker process exists to
+      bind OpenMP threads (`nobind` above turns that off). One process less per rank:
+      it imported vLLM again (13-15 s of a rank's start on 2 cores) and relayed every
+      step through a message queue.
+
     `VLLM_CPU_*` variables are read only by the CPU backend.
     """
     return {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "OMP_NUM_THREADS": str(attention.num_threads),
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         "OMP_WAIT_POLICY": "PASSIVE",

@@ -31,15 +31,9 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import VLLMValidationError
-from vllm.entrypoints.openai.chat_completion.protocol import (
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-)
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
-from vllm.entrypoints.openai.completion.protocol import (
-    CompletionRequest,
-    CompletionResponse,
-)
+from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
 from vllm.entrypoints.openai.models.protocol import BaseModelPath
 from vllm.entrypoints.openai.models.serving import OpenAIServingModels
@@ -73,8 +67,9 @@ from afd_ray.models.embedded import resolve_checkpoint
 from afd_ray.observability.publish import AttentionPublisher
 from afd_ray.observability.recorder import AttentionRecorder
 from afd_ray.observability.steps import AttentionStep
+from afd_ray.serve.protocol import ChatChunk, CompletionChunk
 
-__all__ = ["AttentionServer", "ChatChunk", "CompletionChunk"]
+__all__ = ["AttentionServer"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,13 +77,6 @@ _REPORT_PERIOD_S = 1.0
 """How often an attention rank sends its autoscaling signals to the coordinator."""
 _WATCH_PERIOD_S = 0.5
 """How often an attention rank asks the coordinator for its state and FFN peer."""
-
-ChatChunk = str | ChatCompletionResponse | ErrorResponse
-"""An item of `AttentionServer.chat`: an SSE event, or the whole answer."""
-
-CompletionChunk = str | CompletionResponse | ErrorResponse
-"""An item of `AttentionServer.completions`: an SSE event, or the whole answer."""
-
 
 class AttentionServer:
     """A vLLM engine that owns its requests and KV cache, serving OpenAI requests.

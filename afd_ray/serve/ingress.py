@@ -34,7 +34,6 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from afd_ray.attention.server import ChatChunk, CompletionChunk
 from afd_ray.autoscale.policy import PolicyError, parse_policy
 from afd_ray.compat import (
     VLLM_REQUEST_ERRORS,
@@ -48,7 +47,7 @@ from afd_ray.config import AttentionPoolConfig, AutoscaleConfig, FFNPoolConfig, 
 from afd_ray.control.membership import PoolLoad, ScaleRequest
 from afd_ray.serve.access import AccessKeys, Role
 from afd_ray.serve.admission import DEADLINE_HEADER, LOAD_PERIOD_S, Admission, Refusal
-from afd_ray.serve.protocol import ChatCompletionRequest, CompletionRequest
+from afd_ray.serve.protocol import ChatChunk, ChatCompletionRequest, CompletionChunk, CompletionRequest
 from afd_ray.serve.resume import StreamResume
 
 __all__ = ["Ingress", "app"]

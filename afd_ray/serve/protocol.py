@@ -1,5 +1,6 @@
 """The request bodies the ingress accepts: vLLM's own request models, with the bounds
-that vLLM checks only later, in the attention replica, without naming the field.
+that vLLM checks only later, in the attention replica, without naming the field; and
+the items an attention replica streams back to the ingress.
 
 Checked here, a bad value is a pydantic error at the ingress, so it leaves as a 400
 whose `param` names the field (`afd_ray.serve.ingress`), like every other field
@@ -17,7 +18,9 @@ from pydantic import Field
 from vllm.entrypoints.openai.chat_completion import protocol as chat
 from vllm.entrypoints.openai.completion import protocol as completion
 
-__all__ = ["ChatCompletionRequest", "CompletionRequest"]
+from afd_ray.compat import ErrorResponse
+
+__all__ = ["ChatChunk", "ChatCompletionRequest", "CompletionChunk", "CompletionRequest"]
 
 _MESSAGES = chat.ChatCompletionRequest.model_fields["messages"].annotation
 """vLLM's type of `messages`: a list of OpenAI (or vLLM custom) message dicts."""
@@ -37,3 +40,10 @@ class CompletionRequest(completion.CompletionRequest):
     `SamplingParams` check names no field)."""
 
     n: int = Field(1, ge=1, le=envs.VLLM_MAX_N_SEQUENCES)
+
+
+ChatChunk = str | chat.ChatCompletionResponse | ErrorResponse
+"""An item of `AttentionServer.chat`: an SSE event, or the whole answer."""
+
+CompletionChunk = str | completion.CompletionResponse | ErrorResponse
+"""An item of `AttentionServer.completions`: an SSE event, or the whole answer."""
