@@ -261,7 +261,10 @@ def _is_afd_engine(process: psutil.Process) -> bool:
 
 
 def test_engine_processes_inherit_the_engine_env(client: httpx.Client) -> None:
-    """vLLM's EngineCore and worker processes run with the env of `engine_env`.
+    """vLLM's EngineCore process runs with the env of `engine_env`, and the model runs
+    in it: no worker process of its own (vLLM's CPU platform forces its `mp` executor
+    unless `VLLM_ENABLE_V1_MULTIPROCESSING=0`; that worker re-imported vLLM at every
+    rank start).
 
     Searched machine-wide rather than among this process's descendants: once, in a
     full CI run, the session app's engines were not found among them."""
@@ -272,3 +275,6 @@ def test_engine_processes_inherit_the_engine_env(client: httpx.Client) -> None:
         assert env["OMP_NUM_THREADS"] == "1"
         assert env["OMP_WAIT_POLICY"] == "PASSIVE"
         assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+        assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+        children = [" ".join(child.cmdline()) for child in process.children(recursive=True)]
+        assert not [c for c in children if c.startswith("VLLM::")], (process.cmdline(), children)
