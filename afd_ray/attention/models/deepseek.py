@@ -104,9 +104,10 @@ class AFDDeepseekV2DecoderLayer(AFDDecoderLayer):
                 residual *= 1.0 / self.routed_scaling_factor
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         out = self._ffn(hidden_states)  # [T, H]
-        if fp16:
+        if fp16 and self._moe_parts is None:
             # The FFN returns the true block output; vLLM's FP16 path (DeepseekV2MoE,
             # DeepseekV2MLP) returns it divided by the factor, to match the residual.
+            # A split MoE output is already combined as vLLM's (`combine_moe_parts`).
             out = out * (1.0 / self.routed_scaling_factor)
         return out, residual
 
