@@ -6,11 +6,16 @@ Gate placement reaches model code as one config attribute, `afd_gate_on_attentio
 and call `remote_moe` with the top-k ids and weights, and dense MLP layers run
 locally; otherwise every layer calls `remote_ffn`.
 
-When the engine runs torch.compile (not `enforce_eager`), an MoE layer whose output
-vLLM finishes with elementwise ops (`MoEShape.split_output`: shared experts, or a
-routed scaling factor) gets its parts from the FFN role and finishes them here,
-as vLLM's MoE layer does (`combine_moe_parts`), so the compiled piece after the FFN
-boundary fuses them into the next residual add as plain vLLM's does.
+When the engine runs torch.compile (not `enforce_eager`), the piece after the FFN
+boundary computes what a compiled plain vLLM engine fuses into the next layer's
+residual add and RMSNorm (there one piece spans the FFN), so inductor fuses the same
+float32 expression:
+- an MoE layer whose output vLLM finishes with elementwise ops
+  (`MoEShape.split_output`: shared experts, or a routed scaling factor) gets its
+  parts from the FFN role and finishes them here, as vLLM's MoE layer does
+  (`combine_moe_parts`);
+- the residual is recomputed from the layer's attention output and incoming residual
+  (`AFDDecoderLayer._post_attention`).
 """
 
 from __future__ import annotations
@@ -108,6 +113,8 @@ class AFDDecoderLayer(nn.Module):
         # P of this layer's split output `[T, P, H]`, or None: the FFN returns `[T, H]`.
         self._moe_parts: int | None = layout.moe.output_parts if split else None
         self._routed_scaling_factor = layout.moe.routing.scaling_factor if split else 1.0
+        # The FFN boundary splits a compiled piece: recompute the residual after it.
+        self._recompute_residual = compiled
         self._local_block: str | None = None
         if not _gate_on_attention(config):
             return
@@ -117,6 +124,7 @@ class AFDDecoderLayer(nn.Module):
             block: nn.Module = _AttentionGate(router)
         else:
             block = GatedMLP(layout.hidden_size, layout.intermediate_size, layout.hidden_act, layout.mlp_bias, dtype)
+            self._recompute_residual = False  # no FFN boundary: the piece spans the MLP
         self._local_block = ffn_block_prefix(config.model_type)
         setattr(self, self._local_block, block)
 
@@ -134,6 +142,28 @@ class AFDDecoderLayer(nn.Module):
             return out
         return combine_moe_parts(out, self._routed_scaling_factor)
 
+    def _post_attention(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`post_attention_layernorm`, then the FFN: the attention output and the
+        incoming residual `[T, H]` -> (FFN output `[T, H]`, residual for the next
+        layer `[T, H]`).
+
+        Compiled (not `enforce_eager`) and across the FFN boundary, the residual is
+        recomputed after the boundary from the two tensors it sums, as vLLM's native
+        fused-add RMSNorm computes it: a compiled plain engine has this norm and the
+        next layer's in one piece, where inductor computes `attention + residual` in
+        float32 inside the next norm's kernel and drops its rounding to the model
+        dtype (the `.to(dtype)` then `.to(float32)` of the native op); the boundary
+        ends the piece, and the next one would read the rounded residual instead.
+        """
+        if not self._recompute_residual:
+            hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+            return self._ffn(hidden_states), residual
+        # Copies: the norm may update its inputs in place (vLLM IR `maybe_inplace`).
+        attention, incoming = hidden_states.clone(), residual.clone()  # [T, H] each
+        hidden_states, _ = self.post_attention_layernorm(hidden_states, residual)
+        out = self._ffn(hidden_states)
+        return out, (attention.float() + incoming.float()).to(attention.dtype)
+
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,8 +174,7 @@ class AFDDecoderLayer(nn.Module):
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
         hidden_states = self.self_attn(positions=positions, hidden_states=hidden_states)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self._ffn(hidden_states), residual
+        return self._post_attention(hidden_states, residual)
 
 
 class AFDCausalLM(nn.Module):
