@@ -10,11 +10,11 @@ Dynamo graph.
 
 Why out-variant: with vLLM's piecewise CUDA graphs (`afd_ray.attention.engine`) the
 ops are splitting ops, run eagerly between captured pieces, and a captured piece
-replays reading the addresses it saw at capture. The output buffer is allocated by
-the `torch.empty_like` in `remote_ffn`, which vLLM's graph split puts into the
-preceding piece, so its address is the graph pool's, the same at every replay; an op
-returning a fresh tensor would hand the next piece a new address each step (seen on
-an H200: 0 of 96 tokens equal).
+replays reading the addresses it saw at capture. The output buffer is allocated in
+`remote_ffn` / `remote_moe`, which vLLM's graph split puts into the preceding piece,
+so its address is the graph pool's, the same at every replay; an op returning a
+fresh tensor would hand the next piece a new address each step (seen on an H200: 0
+of 96 tokens equal).
 
 `begin_ffn_step` is a plain call from the causal-LM `forward`, outside vLLM's compiled
 decoder stack, so it runs on every forward pass (eager and piecewise modes).
@@ -44,8 +44,8 @@ def remote_ffn_out(hidden: torch.Tensor, out: torch.Tensor, layer: int) -> None:
 
     Args:
         hidden: post-attention-norm hidden states `[T, H]`, model dtype.
-        out: `[T, H]`, same dtype and device, contiguous: receives what the layer's
-            MLP/MoE would return.
+        out: `[T, H]` (`[T, P, H]`: an MoE layer's split output), same dtype and
+            device, contiguous: receives what the layer's MLP/MoE would return.
         layer: decoder layer index.
     """
     ffn_client().exchange(hidden, layer, out=out)
@@ -67,8 +67,8 @@ def remote_moe_out(
         hidden: post-attention-norm hidden states `[T, H]`, model dtype.
         topk_ids: chosen experts `[T, k]` int64.
         topk_weights: their routing weights `[T, k]` float32.
-        out: `[T, H]`, `hidden`'s dtype and device, contiguous: receives the routed
-            (and shared) experts' output.
+        out: `[T, H]` (`[T, P, H]`: split), `hidden`'s dtype and device, contiguous:
+            receives the routed (and shared) experts' output.
         layer: decoder layer index.
     """
     ffn_client().exchange(hidden, layer, (topk_ids, topk_weights), out=out)
@@ -79,18 +79,29 @@ def _(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, 
     return None
 
 
-def remote_ffn(hidden: torch.Tensor, layer: int) -> torch.Tensor:
+def _out(hidden: torch.Tensor, parts: int | None) -> torch.Tensor:
+    """The op's output buffer: `[T, H]`, or `[T, parts, H]`; `hidden`'s dtype and device."""
+    if parts is None:
+        return torch.empty_like(hidden, memory_format=torch.contiguous_format)
+    return hidden.new_empty(hidden.shape[0], parts, hidden.shape[1])
+
+
+def remote_ffn(hidden: torch.Tensor, layer: int, parts: int | None = None) -> torch.Tensor:
     """FFN of decoder layer `layer`, computed by the FFN pool: `hidden` `[T, H]`
-    (post-attention norm, model dtype) -> `[T, H]`, same dtype and device."""
-    out = torch.empty_like(hidden, memory_format=torch.contiguous_format)
+    (post-attention norm, model dtype) -> `[T, H]`, same dtype and device; with
+    `parts`, an MoE layer's split output `[T, parts, H]`
+    (`afd_ray.ffn.family.MoEShape.split_output`)."""
+    out = _out(hidden, parts)
     torch.ops.afd_ray.remote_ffn_out(hidden, out, layer)
     return out
 
 
-def remote_moe(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer: int) -> torch.Tensor:
+def remote_moe(
+    hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer: int, parts: int | None = None
+) -> torch.Tensor:
     """MoE of decoder layer `layer` routed on the attention side: `hidden` `[T, H]`,
-    its top-k ids `[T, k]` int64 and weights `[T, k]` float32 -> `[T, H]`, `hidden`'s
-    dtype and device."""
-    out = torch.empty_like(hidden, memory_format=torch.contiguous_format)
+    its top-k ids `[T, k]` int64 and weights `[T, k]` float32 -> `[T, H]` (with
+    `parts`: `[T, parts, H]`, as `remote_ffn`), `hidden`'s dtype and device."""
+    out = _out(hidden, parts)
     torch.ops.afd_ray.remote_moe_out(hidden, topk_ids, topk_weights, out, layer)
     return out

@@ -63,7 +63,8 @@ __all__ = ["SLOT_BYTES", "CudaIpcPair", "open_cuda_ipc_pair"]
 
 SLOT_BYTES = 64 << 20
 """Bytes of one slot (one direction of one ubatch): `[T, H]` bfloat16 rows up to
-T * H * 2 <= 64 MiB (T = 16384 at H = 2048), plus the top-k tensors."""
+T * H * 2 <= 64 MiB (T = 16384 at H = 2048), plus the top-k tensors; a split MoE
+output `[T, 2, H]` (`afd_ray.connector.link`) up to T = 8192 at H = 2048."""
 _ALIGN = 16
 _BARRIER_CHANNEL = 0
 

@@ -21,6 +21,15 @@ opened with more), strictly in this order on each ubatch:
 | A2F | hidden states (post-attention norm) | `[T_u, H]` | model dtype |
 | A2F, `gate_on_attention` only | top-k ids, top-k weights | `[T_u, k]`, `[T_u, k]` | int64, float32 |
 | F2A | FFN output | `[T_u, H]` | model dtype |
+| F2A, split MoE layer | routed experts' output (weights unscaled), then shared experts' | `[T_u, P, H]` | model dtype |
+
+Which MoE layers split is fixed for the life of a pair by the checkpoint and the
+attention engines' mode, and both sides derive it from them the same way
+(`afd_ray.ffn.family.MoEShape.split_output`: torch.compile'd engines, layers with
+shared experts or a routed scaling factor; P = 2 with shared experts, else 1); the
+attention side finishes the sum (`afd_ray.attention.models.base.combine_moe_parts`).
+The receiver's `out` has the shape it expects; transports move bytes and check only
+that a message fits.
 
 The attention side sends A2F of layer `l` only after it received F2A of layer `l - 1`
 (of the same ubatch), and the FFN side sends F2A only after it received that layer's

@@ -13,7 +13,7 @@ collectives (vLLM's `allgather_reducescatter` all2all backend):
    (`Experts.forward` gives zeros for experts it does not own) and sums each token's
    k rows in float32;
 3. reduce-scatter (sum): each rank gets back its own B tokens, summed over the EP
-   ranks in float32, then adds the replicated shared experts.
+   ranks in float32, then adds the replicated shared experts (`MoE.output`).
 
 Shapes depend on B alone, with no host synchronization, so a layer can be captured
 in a CUDA graph per B (`afd_ray.ffn.graphs`). The traffic is `(P-1)*B*(H*dtype +
@@ -123,9 +123,10 @@ class EPGroup:
                 (`moe.route(hidden)`, or received with `gate_on_attention`).
 
         Returns:
-            `[B, H]`, model dtype: what the full MoE returns for `hidden`, except that a
-            token's routed rows are summed per owning rank first (float32), so sums may
-            differ from `MoE.forward` in the last float32 bit.
+            `[B, H]` (`[B, P, H]` with `moe.split_output`), model dtype: what the full
+            MoE returns for `hidden`, except that a token's routed rows are summed per
+            owning rank first (float32), so sums may differ from `MoE.forward` in the
+            last float32 bit.
         """
         rows_per_rank, hidden_size = hidden.shape
         top_k = routing.ids.shape[1]
@@ -137,7 +138,4 @@ class EPGroup:
         start = time.perf_counter()
         self.group._reduce_scatter_base(combined, partial).wait()  # sum over EP ranks
         self.collective_s += time.perf_counter() - start
-        shared = moe.shared(hidden)
-        if shared is not None:
-            combined += shared
-        return combined.to(hidden.dtype)
+        return moe.output(combined, moe.shared(hidden), hidden.dtype)

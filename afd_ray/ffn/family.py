@@ -9,7 +9,7 @@ placement and routing follow transformers 5.19 (`modeling_llama.py`,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from transformers import PretrainedConfig
 
@@ -30,6 +30,34 @@ class MoEShape:
     shared_intermediate_size: int
     """Width of the shared experts fused into one MLP (`moe_intermediate_size *
     n_shared_experts`); 0 = none."""
+
+    def split_output(self, compiled: bool) -> bool:
+        """Whether the FFN role returns this layer's output as its parts (F2A `[T, P,
+        H]`, `output_parts`) instead of their sum (`[T, H]`), for attention engines
+        that run torch.compile (`compiled`) or eager.
+
+        Why: vLLM's MoE layer (`MoERunner.forward`, 0.26 and 0.32) returns the routed
+        experts' output and the shared experts' output from its opaque fused-MoE op,
+        each in the model dtype, then computes `routed * routed_scaling_factor +
+        shared` as elementwise torch ops. Compiled, inductor fuses them into the next
+        layer's residual add and RMSNorm, so that sum is never rounded to the model
+        dtype; eager, every op rounds. A compiled AFD attention engine gets the same
+        kernel by doing these ops itself after the FFN boundary
+        (`afd_ray.attention.models.base.combine_moe_parts`). Only layers with such ops
+        split: with shared experts or a routed scaling factor other than 1.
+        """
+        return compiled and (self.shared_intermediate_size > 0 or self.routing.scaling_factor != 1.0)
+
+    @property
+    def output_parts(self) -> int:
+        """P of a split output `[T, P, H]`: the routed experts' output (routing
+        weights not yet scaled), then, if the layer has them, the shared experts'."""
+        return 2 if self.shared_intermediate_size else 1
+
+    def routing_of(self, split_output: bool) -> RoutingSpec:
+        """The routing that yields the routed part: with a split output the weights
+        are not scaled (the attention side scales the output, as vLLM does)."""
+        return replace(self.routing, scaling_factor=1.0) if split_output else self.routing
 
 
 @dataclass(frozen=True)

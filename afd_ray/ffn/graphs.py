@@ -53,7 +53,7 @@ class LayerOutput(NamedTuple):
     """What one FFN block returns for `[N, H]` rows."""
 
     out: torch.Tensor
-    """`[N, H]` model dtype."""
+    """`[N, H]` model dtype (`[N, P, H]`: an MoE layer's split output, `MoE.output`)."""
     ids: torch.Tensor | None
     """`[N, k]` int64 routed experts of each row (MoE layer; for the expert load), or
     None (dense layer)."""

@@ -29,7 +29,8 @@ them in float32 too: `_keep_in_fp32_modules_strict`)."""
 
 class FFNStack(nn.Module):
     """The FFN blocks the FFN role serves, in decoder order: `layers[i]` maps
-    `[T, H] -> [T, H]` for decoder layer `layer_ids[i]`.
+    `[T, H] -> [T, H]` for decoder layer `layer_ids[i]` (an MoE layer that splits its
+    output: `[T, P, H]`, `MoE.output`).
 
     With `gate_on_ffn` that is every decoder layer (`layer_ids[i] == i`). With
     `gate_on_attention` it is the MoE layers only, without their gate: the dense
@@ -42,9 +43,10 @@ class FFNStack(nn.Module):
         ep_rank, ep_size: this rank's place in the EP group; MoE layers hold only
             the routed experts `placement.owned_experts(E, ep_size, ep_rank)`.
         gate_on_attention: the gate placement (DESIGN §2).
-        act_in_float32: rounding of the dense MLPs' and shared experts' activation,
-            as the attention engine's mode computes it (`GatedMLP`): True for
-            torch.compile'd engines, False for eager ones.
+        attention_compiled: the attention engines run torch.compile (else eager);
+            the blocks compute as vLLM does in that mode: the dense MLPs' and shared
+            experts' activation rounding (`GatedMLP.act_in_float32`), and an MoE
+            layer's output as its parts or their sum (`MoEShape.split_output`).
 
     Raises:
         ValueError: unsupported architecture or routing settings, a bad EP rank, or
@@ -58,7 +60,7 @@ class FFNStack(nn.Module):
         ep_rank: int = 0,
         ep_size: int = 1,
         gate_on_attention: bool = False,
-        act_in_float32: bool = False,
+        attention_compiled: bool = False,
     ) -> None:
         super().__init__()
         layout = ffn_layout(config)
@@ -70,14 +72,18 @@ class FFNStack(nn.Module):
         self.gate_on_attention = gate_on_attention
         self.layer_ids = sorted(layout.moe_layers) if gate_on_attention else list(range(layout.num_layers))
         dense = (
-            layout.hidden_size, layout.intermediate_size, layout.hidden_act, layout.mlp_bias, dtype, act_in_float32
+            layout.hidden_size, layout.intermediate_size, layout.hidden_act, layout.mlp_bias, dtype,
+            attention_compiled,
         )
         layers: list[nn.Module] = []
         for i in self.layer_ids:
             if i in layout.moe_layers:
                 owned = owned_experts(layout.moe.routing.num_experts, ep_size, ep_rank)
                 moe = (layout.moe, owned, layout.hidden_size, layout.hidden_act, layout.mlp_bias, dtype)
-                layers.append(MoE(*moe, with_gate=not gate_on_attention, act_in_float32=act_in_float32))
+                layers.append(MoE(
+                    *moe, with_gate=not gate_on_attention, act_in_float32=attention_compiled,
+                    split_output=layout.moe.split_output(attention_compiled),
+                ))  # fmt: skip
             else:
                 layers.append(GatedMLP(*dense))
         self.layers = nn.ModuleList(layers)
@@ -90,7 +96,7 @@ class FFNStack(nn.Module):
 
     def forward(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
         """FFN block `layers[layer]` (decoder layer `layer_ids[layer]`): hidden `[T, H]`
-        -> `[T, H]`, same dtype.
+        -> `[T, H]` (`[T, P, H]`: `MoE.output`), same dtype.
 
         Raises:
             RuntimeError: `layer` is an MoE layer and this stack holds an EP shard
@@ -131,7 +137,7 @@ def load_ffn_stack(
     gate_on_attention: bool = False,
     reuse: FFNStack | None = None,
     random_weights: bool = False,
-    act_in_float32: bool = False,
+    attention_compiled: bool = False,
 ) -> FFNStack:
     """Build the FFN stack of `checkpoint` with only FFN-role tensors loaded.
 
@@ -139,7 +145,7 @@ def load_ffn_stack(
     then filled from the checkpoint, so no memory is spent on throwaway random init;
     an EP shard reads and allocates only its own routed experts. Tensors are rounded
     to `dtype` (a router gate with float32 logits keeps float32, `RoutingSpec`) except
-    `e_score_correction_bias`, loaded as float32. `act_in_float32`: see `FFNStack`.
+    `e_score_correction_bias`, loaded as float32. `attention_compiled`: see `FFNStack`.
 
     `reuse`: a stack of the same checkpoint, dtype and gate placement (another EP
     shard: an FFN resize). Every tensor it holds is copied from it instead of read from
@@ -157,7 +163,7 @@ def load_ffn_stack(
     """
     config = AutoConfig.from_pretrained(checkpoint)
     with torch.device("meta"):
-        stack = FFNStack(config, dtype, ep_rank, ep_size, gate_on_attention, act_in_float32)
+        stack = FFNStack(config, dtype, ep_rank, ep_size, gate_on_attention, attention_compiled)
     stack.to_empty(device=device)
     if random_weights:
         for (layer, name), target in stack.checkpoint_tensors().items():

@@ -25,6 +25,9 @@ class MoE(nn.Module):
     Submodule names match the checkpoint's FFN block names
     (`afd_ray.weights.ffn_block_name`): `gate`, `experts`, `shared_experts`.
     `act_in_float32`: the shared experts' activation rounding (`GatedMLP`).
+    `split_output` (`MoEShape.split_output`): the output is the parts `[T, P, H]`
+    (routed experts with unscaled routing weights, then shared experts), each in the
+    model dtype, instead of their sum `[T, H]`.
     """
 
     def __init__(
@@ -37,12 +40,14 @@ class MoE(nn.Module):
         dtype: torch.dtype,
         with_gate: bool = True,
         act_in_float32: bool = False,
+        split_output: bool = False,
     ) -> None:
         super().__init__()
         self.spec = shape.routing
         self.hidden_act = hidden_act
+        self.split_output = split_output
         # gate_on_attention: the attention role routes and sends ids and weights.
-        self.gate = Router(shape.routing, hidden_size, dtype) if with_gate else None
+        self.gate = Router(shape.routing_of(split_output), hidden_size, dtype) if with_gate else None
         self.experts = Experts(owned, hidden_size, shape.intermediate_size, hidden_act, dtype)
         self.shared_experts = (
             GatedMLP(hidden_size, shape.shared_intermediate_size, hidden_act, bias, dtype, act_in_float32)
@@ -65,14 +70,14 @@ class MoE(nn.Module):
         return None if self.shared_experts is None else self.shared_experts(hidden)
 
     def forward(self, hidden: torch.Tensor, routing: Routing | None = None) -> torch.Tensor:
-        """The whole MoE on one rank: hidden `[T, H]` -> `[T, H]`, same dtype.
+        """The whole MoE on one rank: hidden `[T, H]` -> `[T, H]` (`[T, P, H]` with
+        `split_output`), same dtype.
 
         `routing` is `route(hidden)` when the caller already computed it.
 
         On CUDA the routed experts run as vLLM's fused MoE kernels (`routed_fused`,
         the kernels plain vLLM runs); elsewhere as torch grouped GEMMs
-        (`routed_grouped`). The shared experts are added in float32, then the sum is
-        cast once.
+        (`routed_grouped`). Then `output`.
 
         Raises:
             RuntimeError: this module holds only an EP shard of the experts.
@@ -84,13 +89,25 @@ class MoE(nn.Module):
             )
         routing = self.route(hidden) if routing is None else routing
         if fused_experts_applies(hidden, self.hidden_act):
-            out = self.routed_fused(hidden, routing).float()  # [T, H]
+            routed = self.routed_fused(hidden, routing)  # [T, H] model dtype
         else:
-            out = self.routed_grouped(hidden, routing)  # [T, H] float32
-        shared = self.shared(hidden)
+            routed = self.routed_grouped(hidden, routing)  # [T, H] float32
+        return self.output(routed, self.shared(hidden), hidden.dtype)
+
+    def output(self, routed: torch.Tensor, shared: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """The layer's output from the routed experts' `[T, H]` (float32 or `dtype`)
+        and the shared experts' `[T, H]` (`dtype`, or None).
+
+        Returns `[T, H]` `dtype`: the sum taken in float32, cast once; with
+        `split_output`, `[T, P, H]` `dtype`: the parts (`MoEShape.output_parts`).
+        """
+        if self.split_output:
+            parts = [routed.to(dtype)] if shared is None else [routed.to(dtype), shared]
+            return torch.stack(parts, dim=1)  # [T, P, H]
+        out = routed.float()  # [T, H]
         if shared is not None:
-            out += shared
-        return out.to(hidden.dtype)
+            out = out + shared
+        return out.to(dtype)
 
     def routed_fused(self, hidden: torch.Tensor, routing: Routing) -> torch.Tensor:
         """Routed experts of hidden `[T, H]` (CUDA) with vLLM's `fused_experts`: `[T, H]`

@@ -413,6 +413,7 @@ class FFNRuntime:
         wall = time.time()
         ep_before = self.ep.collective_s if self.ep is not None else 0.0
         compute_s = f2a_s = 0.0
+        f2a_bytes = 0  # [T_i, H] or [T_i, P, H] per peer and layer, as sent
         compute = self._layout_compute()
         tokens = sum(step.num_tokens for step in steps)
         ubatches = _ubatches(steps, self._ubatches if self.ep is None else 1)
@@ -436,7 +437,7 @@ class FFNRuntime:
                 if marks is not None:
                     marks.append(timeline.clock.stamp())
                 computing = time.perf_counter()
-                out, routed = compute.run(layer, inputs)  # [R, H]; [R, k] int64 for an MoE layer
+                out, routed = compute.run(layer, inputs)  # [R, H] or [R, P, H]; [R, k] int64 for an MoE layer
                 if routed is not None:
                     routed = routed[:rows].flatten()  # [rows*k]
                     self.expert_tokens.index_add_(0, routed, torch.ones_like(routed))
@@ -448,6 +449,7 @@ class FFNRuntime:
                     if step.peer not in lost:
                         try:
                             self.channel.send_f2a(step.peer, peer_out)
+                            f2a_bytes += peer_out.nbytes
                         except PeerLostError as exc:
                             self._lost(step.peer, layer, exc, lost)
                 if marks is not None:
@@ -472,7 +474,7 @@ class FFNRuntime:
             tokens=stats.tokens + tokens,
             busy_s=stats.busy_s + end - start,
             a2f_bytes=stats.a2f_bytes + (layer_bytes + topk_bytes) * len(layers),
-            f2a_bytes=stats.f2a_bytes + layer_bytes * len(layers),
+            f2a_bytes=stats.f2a_bytes + f2a_bytes,
             split=stats.split + timeline.collect(),
         )
         return lost

@@ -88,8 +88,10 @@ class FFNServer:
         weights (its EP shard of the routed experts), join the EP group, start the loop.
 
         `attention_compiled`: the attention engines run torch.compile (not
-        `attention.enforce_eager`); the FFN blocks then round their gated activations
-        as a compiled vLLM engine does (`afd_ray.ffn.mlp.GatedMLP`).
+        `attention.enforce_eager`); the FFN blocks then compute as a compiled vLLM
+        engine does (`afd_ray.ffn.model.FFNStack`): gated activations rounded once, and
+        the MoE layers that split their output send its parts (the F2A contract,
+        `afd_ray.connector.link`).
 
         Raises:
             ValueError: the checkpoint's architecture has no FFN implementation.
@@ -104,7 +106,7 @@ class FFNServer:
         self._coordinator = coordinator
         self._load = (resolve_checkpoint(model), dtype, device, gate_placement == "gate_on_attention")
         self._random_weights = model.load_format == "dummy"
-        self._act_in_float32 = attention_compiled
+        self._attention_compiled = attention_compiled
         self._replica = serve.get_replica_context().replica_id.unique_id
         self._address = channel.address
         self.rank = await coordinator.register_ffn.remote(channel.address, self._replica)
@@ -135,7 +137,7 @@ class FFNServer:
         return load_ffn_stack(
             checkpoint, dtype, device, assignment.ep_rank, assignment.ep_size,
             gate_on_attention=gate_on_attention, reuse=reuse, random_weights=self._random_weights,
-            act_in_float32=self._act_in_float32,
+            attention_compiled=self._attention_compiled,
         )
 
     async def _ep_group(self, stack: FFNStack, assignment: EPAssignment) -> EPGroup | None:

@@ -5,6 +5,17 @@ Gate placement reaches model code as one config attribute, `afd_gate_on_attentio
 (set through vLLM's `hf_overrides`). With it, MoE layers route on the attention side
 and call `remote_moe` with the top-k ids and weights, and dense MLP layers run
 locally; otherwise every layer calls `remote_ffn`.
+
+When the engine runs torch.compile (not `enforce_eager`), the piece after the FFN
+boundary computes what a compiled plain vLLM engine fuses into the next layer's
+residual add and RMSNorm (there one piece spans the FFN), so inductor fuses the same
+float32 expression:
+- an MoE layer whose output vLLM finishes with elementwise ops
+  (`MoEShape.split_output`: shared experts, or a routed scaling factor) gets its
+  parts from the FFN role and finishes them here, as vLLM's MoE layer does
+  (`combine_moe_parts`);
+- the residual is recomputed from the layer's attention output and incoming residual
+  (`AFDDecoderLayer._post_attention`).
 """
 
 from __future__ import annotations
@@ -24,7 +35,7 @@ from afd_ray.ffn.mlp import GatedMLP
 from afd_ray.ffn.routing import Router
 from afd_ray.weights import Role, ffn_block_prefix, role_of
 
-__all__ = ["GATE_ON_ATTENTION", "AFDCausalLM", "AFDDecoderLayer", "attention_weights"]
+__all__ = ["GATE_ON_ATTENTION", "AFDCausalLM", "AFDDecoderLayer", "attention_weights", "combine_moe_parts"]
 
 GATE_ON_ATTENTION = "afd_gate_on_attention"
 """Config attribute (via `hf_overrides`) that selects `gate_on_attention`."""
@@ -42,6 +53,33 @@ def attention_weights(
     on_attention = _gate_on_attention(config)
     moe_layers = ffn_layout(config).moe_layers if on_attention else frozenset()
     return ((n, t) for n, t in weights if role_of(n, on_attention, moe_layers) is Role.ATTENTION)
+
+
+def combine_moe_parts(parts: torch.Tensor, routed_scaling_factor: float) -> torch.Tensor:
+    """An MoE layer's output from its split parts, computed as vLLM's MoE layer
+    computes it after its fused-MoE op (`MoERunner.forward`:
+    `_maybe_apply_routed_scale_to_output`, then `shared_output + fused_output`; vLLM
+    0.26 and 0.32), op for op and in the same dtype, so that torch.compile fuses it
+    the same way.
+
+    Args:
+        parts: `[T, P, H]` model dtype: `[:, 0]` the routed experts' output with
+            unscaled routing weights, `[:, 1]` (P = 2) the shared experts' output.
+        routed_scaling_factor: the config's `routed_scaling_factor`.
+
+    Returns:
+        `[T, H]`, model dtype: the routed part times the factor plus the shared part
+        (float16 with shared experts: the routed part plus the shared part divided
+        by the factor, vLLM's overflow guard).
+    """
+    routed = parts[:, 0]  # [T, H]
+    shared = parts[:, 1] if parts.shape[1] == 2 else None  # [T, H]
+    if routed_scaling_factor != 1.0:
+        if routed.dtype != torch.float16 or shared is None:
+            routed = routed * routed_scaling_factor
+        else:
+            shared = shared * (1.0 / routed_scaling_factor)
+    return routed if shared is None else shared + routed
 
 
 class _AttentionGate(nn.Module):
@@ -64,30 +102,67 @@ class AFDDecoderLayer(nn.Module):
     layer_idx: int
 
     def _build_ffn_half(self, vllm_config: VllmConfig) -> None:
-        """With `gate_on_attention`: this layer's router (MoE layer) or dense MLP, under
-        the checkpoint's FFN block name (`mlp` / `block_sparse_moe`)."""
+        """Whether this layer's FFN output comes split (`MoEShape.split_output`, the
+        engine compiled unless `enforce_eager`); with `gate_on_attention`, this
+        layer's router (MoE layer) or dense MLP, under the checkpoint's FFN block name
+        (`mlp` / `block_sparse_moe`)."""
         config = vllm_config.model_config.hf_config
+        layout = ffn_layout(config)
+        compiled = not vllm_config.model_config.enforce_eager
+        split = self.layer_idx in layout.moe_layers and layout.moe.split_output(compiled)
+        # P of this layer's split output `[T, P, H]`, or None: the FFN returns `[T, H]`.
+        self._moe_parts: int | None = layout.moe.output_parts if split else None
+        self._routed_scaling_factor = layout.moe.routing.scaling_factor if split else 1.0
+        # The FFN boundary splits a compiled piece: recompute the residual after it.
+        self._recompute_residual = compiled
         self._local_block: str | None = None
         if not _gate_on_attention(config):
             return
-        layout = ffn_layout(config)
         dtype = vllm_config.model_config.dtype
         if self.layer_idx in layout.moe_layers:
-            block: nn.Module = _AttentionGate(Router(layout.moe.routing, layout.hidden_size, dtype))
+            router = Router(layout.moe.routing_of(split), layout.hidden_size, dtype)
+            block: nn.Module = _AttentionGate(router)
         else:
             block = GatedMLP(layout.hidden_size, layout.intermediate_size, layout.hidden_act, layout.mlp_bias, dtype)
+            self._recompute_residual = False  # no FFN boundary: the piece spans the MLP
         self._local_block = ffn_block_prefix(config.model_type)
         setattr(self, self._local_block, block)
 
     def _ffn(self, hidden: torch.Tensor) -> torch.Tensor:
         """The layer's FFN of post-attention-norm `hidden` `[T, H]` -> `[T, H]`."""
         if self._local_block is None:
-            return remote_ffn(hidden, self.layer_idx)
-        block = getattr(self, self._local_block)
-        if isinstance(block, GatedMLP):
-            return block(hidden)
-        routing = block.gate(hidden)  # ids [T, k] int64, weights [T, k] float32
-        return remote_moe(hidden, routing.ids, routing.weights, self.layer_idx)
+            out = remote_ffn(hidden, self.layer_idx, self._moe_parts)  # [T, H] or [T, P, H]
+        else:
+            block = getattr(self, self._local_block)
+            if isinstance(block, GatedMLP):
+                return block(hidden)
+            routing = block.gate(hidden)  # ids [T, k] int64, weights [T, k] float32
+            out = remote_moe(hidden, routing.ids, routing.weights, self.layer_idx, self._moe_parts)
+        if self._moe_parts is None:
+            return out
+        return combine_moe_parts(out, self._routed_scaling_factor)
+
+    def _post_attention(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`post_attention_layernorm`, then the FFN: the attention output and the
+        incoming residual `[T, H]` -> (FFN output `[T, H]`, residual for the next
+        layer `[T, H]`).
+
+        Compiled (not `enforce_eager`) and across the FFN boundary, the residual is
+        recomputed after the boundary from the two tensors it sums, as vLLM's native
+        fused-add RMSNorm computes it: a compiled plain engine has this norm and the
+        next layer's in one piece, where inductor computes `attention + residual` in
+        float32 inside the next norm's kernel and drops its rounding to the model
+        dtype (the `.to(dtype)` then `.to(float32)` of the native op); the boundary
+        ends the piece, and the next one would read the rounded residual instead.
+        """
+        if not self._recompute_residual:
+            hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+            return self._ffn(hidden_states), residual
+        # Copies: the norm may update its inputs in place (vLLM IR `maybe_inplace`).
+        attention, incoming = hidden_states.clone(), residual.clone()  # [T, H] each
+        hidden_states, _ = self.post_attention_layernorm(hidden_states, residual)
+        out = self._ffn(hidden_states)
+        return out, (attention.float() + incoming.float()).to(attention.dtype)
 
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
@@ -99,8 +174,7 @@ class AFDDecoderLayer(nn.Module):
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
         hidden_states = self.self_attn(positions=positions, hidden_states=hidden_states)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self._ffn(hidden_states), residual
+        return self._post_attention(hidden_states, residual)
 
 
 class AFDCausalLM(nn.Module):

@@ -102,11 +102,11 @@ class AFDDeepseekV2DecoderLayer(AFDDecoderLayer):
             hidden_states *= 1.0 / self.routed_scaling_factor
             if self.layer_idx == 0:
                 residual *= 1.0 / self.routed_scaling_factor
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        out = self._ffn(hidden_states)  # [T, H]
-        if fp16:
+        out, residual = self._post_attention(hidden_states, residual)  # [T, H] each
+        if fp16 and self._moe_parts is None:
             # The FFN returns the true block output; vLLM's FP16 path (DeepseekV2MoE,
             # DeepseekV2MLP) returns it divided by the factor, to match the residual.
+            # A split MoE output is already combined as vLLM's (`combine_moe_parts`).
             out = out * (1.0 / self.routed_scaling_factor)
         return out, residual
 
