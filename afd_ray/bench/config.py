@@ -20,7 +20,13 @@ from afd_ray.models.shapes import Shape
 Embedded = Literal["smollm2", "smollm2-moe"]
 """An embedded checkpoint (`afd_ray.models.embedded`), benchmarked like a family."""
 
-__all__ = ["BenchConfig", "Topology"]
+__all__ = ["MAX_RANKS", "BenchConfig", "Topology"]
+
+MAX_RANKS = 256
+"""Most attention ranks, and most FFN ranks, of one benchmark layout. Each rank is a
+Serve replica in a placement group of its own, and a layout is deployed whole; 256
+is past any machine this bench runs on (a CPU host, an 8-GPU node), and keeps a typo
+such as `--attention 1-100000000` a usage error rather than a sweep of 10^8 layouts."""
 
 _TOPOLOGY = re.compile(r"(\d+)A(\d+)F(-dbo)?(-bare)?", re.IGNORECASE)
 
@@ -41,9 +47,9 @@ class Topology(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    attention: int = Field(ge=1)
+    attention: int = Field(ge=1, le=MAX_RANKS)
     """Attention ranks (vLLM engines); 1 for plain vLLM."""
-    ffn: int = Field(ge=0)
+    ffn: int = Field(ge=0, le=MAX_RANKS)
     """FFN ranks (the EP size); 0 means plain vLLM, with no FFN pool."""
     ubatches: int = Field(1, ge=1)
     """`FFNPoolConfig.ubatches`: 2 with `-dbo`."""
