@@ -64,15 +64,16 @@ class Topology(BaseModel):
         if data.lower() == "plain":
             return {"attention": 1, "ffn": 0}
         match = _TOPOLOGY.fullmatch(data)
-        if match is None or int(match[2]) == 0:
+        if match is None:
             raise ValueError(
                 f"topology {data!r}: expected 'plain' or '<A>A<F>F[-dbo][-bare]' with F >= 1 (e.g. 2A2F, 2A1F-dbo, "
                 "1A1F-bare)"
             )
-        return {
-            "attention": int(match[1]), "ffn": int(match[2]), "ubatches": 2 if match[3] else 1,
-            "observability": match[4] is None,
-        }  # fmt: skip
+        attention, ffn = int(match[1]), int(match[2])
+        for name, count in (("attention ranks A", attention), ("FFN ranks F", ffn)):
+            if not 1 <= count <= MAX_RANKS:
+                raise ValueError(f"topology {data!r}: {name} must be from 1 to {MAX_RANKS}, got {count}")
+        return {"attention": attention, "ffn": ffn, "ubatches": 2 if match[3] else 1, "observability": match[4] is None}
 
     @model_validator(mode="after")
     def _dbo_needs_two_peers(self) -> Topology:

@@ -51,6 +51,24 @@ def test_bad_topology_is_rejected_with_its_label(label: str) -> None:
         BenchConfig(topologies=(label,))
 
 
+@pytest.mark.parametrize(
+    ("label", "message"),
+    [
+        # said only "Input should be greater than or equal to 1 (got 0)"
+        ("0A1F", "topology '0A1F': attention ranks A must be from 1 to 256, got 0"),
+        ("1A0F", "topology '1A0F': FFN ranks F must be from 1 to 256, got 0"),
+        ("1A257F-dbo", "topology '1A257F-dbo': FFN ranks F must be from 1 to 256, got 257"),
+    ],
+)
+def test_a_rank_count_out_of_bounds_names_the_pool_and_the_bound(
+    label: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--topologies", label])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"python -m afd_ray.bench: error: --topologies: {message}"
+
+
 def test_bad_topology_flag_is_one_line_naming_the_flag_and_the_form(capsys: pytest.CaptureFixture[str]) -> None:
     """A label that does not parse printed pydantic's two errors (the label, then
     the emptied list's length) with their URLs."""
