@@ -10,12 +10,13 @@ import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationInfo, field_validator, model_validator
 
 from afd_ray.config import BATCH_WINDOW_MAX_US, ConnectorConfig, DType
-from afd_ray.connector.link import TransportChoice
+from afd_ray.connector.link import TransportChoice, check_transport
 from afd_ray.models import Family
 from afd_ray.models.shapes import Shape
+from afd_ray.platform import collective_backend
 
 Embedded = Literal["smollm2", "smollm2-moe"]
 """An embedded checkpoint (`afd_ray.models.embedded`), benchmarked like a family."""
@@ -180,7 +181,9 @@ class BenchConfig(BaseModel):
     """Context length of each engine, tokens (prompt + output)."""
 
     transport: TransportChoice = "auto"
-    """`ConnectorConfig.transport` of the AFD runs (`auto`: `shm` on one node)."""
+    """`ConnectorConfig.transport` of the AFD runs (`auto`: `shm` on one node); a
+    fixed one must carry the platform's tensors (`shm`/`gloo` on CPU, `cuda_ipc` on
+    CUDA)."""
 
     batch_window_us: int = Field(ConnectorConfig().batch_window_us, ge=0, le=BATCH_WINDOW_MAX_US)
     """`ConnectorConfig.batch_window_us` of the AFD runs: how long an FFN rank waits
@@ -217,6 +220,14 @@ class BenchConfig(BaseModel):
         "compare layouts within one file, not across machines."
     )
     """Free text stored with the results (e.g. how noisy the machine was)."""
+
+    @field_validator("transport")
+    @classmethod
+    def _transport_carries_the_platform(cls, transport: TransportChoice, info: ValidationInfo) -> TransportChoice:
+        # the platform is validated first (fields in order); absent if it failed
+        if transport != "auto" and "platform" in info.data:
+            check_transport(transport, collective_backend(info.data["platform"]), field="")
+        return transport
 
     @model_validator(mode="after")
     def _requests_fit_the_context(self) -> BenchConfig:

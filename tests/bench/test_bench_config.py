@@ -89,6 +89,30 @@ def test_bad_flag_exits_2_naming_the_field(capsys: pytest.CaptureFixture[str]) -
     assert "concurrency" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("argv", "allowed"),
+    [
+        # cuda_ipc on CPU was accepted; the run failed once Ray was up, in the app's config
+        (["--transport", "cuda_ipc"], "['gloo', 'shm']"),
+        (["--platform", "cuda", "--transport", "shm"], "['cuda_ipc', 'nccl']"),
+    ],
+)
+def test_a_transport_the_platform_cannot_use_exits_2_naming_the_flag(
+    argv: list[str], allowed: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    transport = argv[-1]
+    with pytest.raises(ValidationError, match="transport"):  # before main(), which would start Ray if accepted
+        BenchConfig(platform="cuda" if transport == "shm" else "cpu", transport=transport)
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        f"--transport: {transport!r} cannot carry {'gloo' if transport == 'cuda_ipc' else 'nccl'} tensors; "
+        f"use auto or one of {allowed}"
+    )
+    assert BenchConfig(platform="cuda", transport="cuda_ipc").transport == "cuda_ipc"
+
+
 def test_batch_window_over_its_bound_exits_2_naming_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["--batch-window-us", "3000000"])
