@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from afd_ray.config import BATCH_WINDOW_MAX_US, ConnectorConfig, DType
 from afd_ray.connector.link import TransportChoice, check_transport
@@ -46,7 +46,7 @@ class Topology(BaseModel):
     `"1A1F-bare"` are valid inputs.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     attention: int = Field(ge=1, le=MAX_RANKS)
     """Attention ranks (vLLM engines); 1 for plain vLLM."""
@@ -102,9 +102,17 @@ def _default_checkpoints() -> Path:
 
 
 class BenchConfig(BaseModel):
-    """The measured settings: models, layouts, the load and the pool sizes."""
+    """The measured settings: models, layouts, the load and the pool sizes.
 
-    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+    Strict like the config tree's sections (`afd_ray.config`): unknown keys are
+    refused, an integer field takes an integer (never `"4"` or `4.0`), a flag only
+    `True`/`False`, and a float is finite. The lists (`families`, `topologies`,
+    `concurrency`) take a list or a tuple, `checkpoints` a path or a string.
+    """
+
+    model_config = ConfigDict(
+        frozen=True, extra="forbid", strict=True, allow_inf_nan=False, use_attribute_docstrings=True
+    )
 
     platform: Literal["cpu", "cuda"] = "cpu"
     """Where the engines run. `cuda`: every pool member (and the plain engine) gets a
@@ -114,7 +122,7 @@ class BenchConfig(BaseModel):
     dtype: DType = "float32"
     """Parameter and activation dtype of every engine (`ModelConfig.dtype`)."""
 
-    families: tuple[Family | Embedded | Shape, ...] = Field(("qwen3_moe",), min_length=1)
+    families: tuple[Family | Embedded | Shape, ...] = Field(("qwen3_moe",), min_length=1, strict=False)
     """Checkpoints to serve, one after another: tiny families (`afd_ray.models.tiny`),
     the embedded SmolLM2 (`smollm2`) and its MoE upcycling (`smollm2-moe`), or a real
     model's shape with random weights (`afd_ray.models.shapes`, `load_format: dummy`)."""
@@ -122,10 +130,11 @@ class BenchConfig(BaseModel):
     topologies: tuple[Topology, ...] = Field(
         (Topology(attention=1, ffn=0), Topology(attention=1, ffn=1), Topology(attention=2, ffn=2)),
         min_length=1,
+        strict=False,
     )
     """Layouts to deploy, one after another, for every family."""
 
-    concurrency: tuple[PositiveInt, ...] = Field((4,), min_length=1)
+    concurrency: tuple[Annotated[int, Field(strict=True, gt=0)], ...] = Field((4,), min_length=1, strict=False)
     """Concurrent request streams (the decode batch), one measured load per value on
     the same deployment, in the order given; each attention rank admits the largest."""
 
@@ -198,7 +207,7 @@ class BenchConfig(BaseModel):
     seed: int = 0
     """Weight seed of the tiny checkpoints."""
 
-    checkpoints: Path = Field(default_factory=_default_checkpoints)
+    checkpoints: Path = Field(default_factory=_default_checkpoints, strict=False)
     """Folder holding the tiny checkpoints (`<family>-seed<seed>/`), built on first use;
     default `<afd_ray cache>/tiny`."""
 

@@ -130,6 +130,36 @@ def test_prompt_and_output_over_the_context_exit_2_before_any_deployment(capsys:
     assert BenchConfig(prompt_tokens=448, max_tokens=64).max_model_len == 512
 
 
+@pytest.mark.parametrize(
+    ("settings", "field"),
+    [
+        ({"concurrency": "4"}, "concurrency"),
+        ({"concurrency": ["4"]}, "concurrency.0"),
+        ({"concurrency": (4.0,)}, "concurrency.0"),
+        ({"max_tokens": 8.0}, "max_tokens"),
+        ({"seed": "3"}, "seed"),
+        ({"enforce_eager": "yes"}, "enforce_eager"),
+        ({"slo_tpot_ms": float("inf")}, "slo_tpot_ms"),
+        ({"topologies": [{"attention": "2", "ffn": 1}]}, "topologies.0.attention"),
+        ({"concurency": (4,)}, "concurency"),
+    ],
+)
+def test_python_callers_get_the_strict_checks_of_the_config_tree(settings: dict[str, object], field: str) -> None:
+    """A notebook's `BenchConfig(concurrency=["4"])` was coerced to 4 (and `"4"`,
+    `8.0`, `"yes"`, an infinite SLO likewise accepted)."""
+    with pytest.raises(ValidationError) as error:
+        BenchConfig.model_validate(settings)
+    assert ".".join(map(str, error.value.errors()[0]["loc"])) == field
+
+
+def test_lists_and_path_strings_stay_accepted() -> None:
+    cfg = BenchConfig(
+        concurrency=[4, 8], families=["llama"], topologies=["1A1F"], checkpoints="/tmp/tiny", kv_cache_gib=1
+    )
+    assert (cfg.concurrency, cfg.families, cfg.kv_cache_gib) == ((4, 8), ("llama",), 1.0)
+    assert cfg.checkpoints == Path("/tmp/tiny")
+
+
 def test_latency_summary_in_milliseconds() -> None:
     summary = Latency.of([0.010, 0.020, 0.030])
     assert summary.count == 3
