@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable
+from typing import TypeVar
 
-__all__ = ["http_url", "positive", "positive_int"]
+__all__ = ["at_most", "http_url", "positive", "positive_int"]
+
+_Number = TypeVar("_Number", int, float)
 
 
 def positive(text: str) -> float:
@@ -24,6 +28,19 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
     return value
+
+
+def at_most(parse: Callable[[str], _Number], high: _Number) -> Callable[[str], _Number]:
+    """`parse` (e.g. `positive_int`), then refuse a value above `high`."""
+
+    def bounded(text: str) -> _Number:
+        value = parse(text)
+        if value > high:
+            raise argparse.ArgumentTypeError(f"must be <= {high}, got {text}")
+        return value
+
+    bounded.__name__ = parse.__name__  # argparse's "invalid <name> value" message
+    return bounded
 
 
 def http_url(text: str) -> str:

@@ -154,6 +154,15 @@ class AttentionPoolConfig(_Section):
     """Ray nodes the attention ranks may run on (default: any)."""
 
 
+EP_IDLE_CHECK_MAX_US = 1_000_000
+"""Upper bound of `FFNPoolConfig.ep_idle_check_us` and `ep_idle_max_check_us`,
+microseconds (1 s). Both are waits on the decode path: a busy EP rank waits up to
+`ep_idle_check_us` for its idle peers at every step, and the first step after an
+idle spell up to `ep_idle_max_check_us`, so each adds to the output tokens' latency;
+a stopping FFN rank also finishes its current wait first. A check-in interval that
+long is a unit typo (seconds or milliseconds given as microseconds)."""
+
+
 class FFNPoolConfig(_Section):
     """The FFN pool: stateless expert/MLP workers, no KV cache, no user requests."""
 
@@ -196,16 +205,19 @@ class FFNPoolConfig(_Section):
     Serve's replica states), seconds. 10 s declared a live, loading rank dead on a
     2-core machine at load average 11."""
 
-    ep_idle_check_us: int = Field(2000, ge=100)
+    ep_idle_check_us: int = Field(2000, ge=100, le=EP_IDLE_CHECK_MAX_US)
     """With several FFN ranks (EP), how often an idle rank checks in with its EP
     group while the group is busy, microseconds; bounds how long a busy rank waits
-    for the idle ones."""
+    for the idle ones. At most `EP_IDLE_CHECK_MAX_US` (1 s)."""
 
-    ep_idle_max_check_us: int = Field(20000, ge=100)
+    ep_idle_max_check_us: int = Field(20000, ge=100, le=EP_IDLE_CHECK_MAX_US)
     """While the whole EP group is idle, the check-in interval doubles from
     `ep_idle_check_us` up to this, microseconds: the first step after an idle spell
     waits at most this long for the other ranks, and an idle group costs ~10x fewer
-    all-reduces (at 2 ms, two idle CPU ranks spun through 500 a second)."""
+    all-reduces (at 2 ms, two idle CPU ranks spun through 500 a second). At most
+    `EP_IDLE_CHECK_MAX_US` (1 s), and shorter than `connector.timeout_s`, the
+    timeout of the EP group's collectives, which a busy rank's count all-reduce
+    would otherwise pass while an idle rank sleeps."""
 
     @model_validator(mode="after")
     def _idle_bounds(self) -> FFNPoolConfig:
@@ -364,6 +376,12 @@ class AFDConfig(_Section):
                 f"ffn.ubatches: {self.ffn.ubatches} > {peers}, the most attention peers one FFN rank can have "
                 f"(attention.max_ranks {self.attention.upper} / ffn.min_ranks {self.ffn.min_ranks}, rounded up); "
                 "a step's peers are split into at most that many ubatches"
+            )
+        if self.ffn.ep_idle_max_check_us / 1e6 >= self.connector.timeout_s:
+            raise ValueError(
+                f"ffn.ep_idle_max_check_us: {self.ffn.ep_idle_max_check_us} us must be shorter than "
+                f"connector.timeout_s {self.connector.timeout_s} s, the EP group's collective timeout: a busy rank "
+                "waits that long for an idle one to check in"
             )
         if self.connector.transport != "auto":
             check_transport(self.connector.transport, collective_backend(self.platform))

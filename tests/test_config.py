@@ -9,7 +9,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from afd_ray.config import BATCH_WINDOW_MAX_US, AFDConfig
+from afd_ray.config import BATCH_WINDOW_MAX_US, EP_IDLE_CHECK_MAX_US, AFDConfig
 
 DEPLOYMENTS = Path(__file__).parents[1] / "deployments"
 
@@ -64,6 +64,31 @@ def test_values_that_would_fail_only_in_a_replica_are_refused(args: dict[str, ob
     with pytest.raises(ValidationError) as error:
         AFDConfig.model_validate(args)
     assert _field(error.value) == field
+
+
+@pytest.mark.parametrize(
+    ("args", "field"),
+    [
+        ({"ffn": {"ep_idle_check_us": 2 * 10**9}}, "ffn.ep_idle_check_us"),
+        ({"ffn": {"ep_idle_max_check_us": EP_IDLE_CHECK_MAX_US + 1}}, "ffn.ep_idle_max_check_us"),
+    ],
+    ids=["check", "max-check"],
+)
+def test_ep_idle_check_in_is_bounded(args: dict[str, object], field: str) -> None:
+    """Any interval was accepted (2e9 us: a busy EP rank waited half an hour per step
+    for an idle one)."""
+    with pytest.raises(ValidationError) as error:
+        AFDConfig.model_validate(args)
+    assert _field(error.value).startswith(field)
+    assert "less than or equal to 1000000" in str(error.value)
+    assert AFDConfig.model_validate({"ffn": {"ep_idle_max_check_us": EP_IDLE_CHECK_MAX_US}}).ffn.ep_idle_max_check_us
+
+
+def test_ep_idle_check_in_is_shorter_than_the_collective_timeout() -> None:
+    with pytest.raises(ValidationError, match=r"ffn\.ep_idle_max_check_us: 20000 us must be shorter than "
+                       r"connector\.timeout_s 0\.02 s, the EP group's collective timeout"):
+        AFDConfig.model_validate({"connector": {"timeout_s": 0.02}})
+    assert AFDConfig.model_validate({"connector": {"timeout_s": 0.5}}).connector.timeout_s == 0.5
 
 
 def test_an_integer_stays_valid_where_a_float_is_expected() -> None:

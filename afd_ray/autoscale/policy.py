@@ -397,7 +397,7 @@ def load_policy(path: str | Path) -> AutoscalePolicy:
     """Read and validate a policy YAML file.
 
     Raises:
-        ValueError: the file is not YAML, or does not fit `AutoscalePolicy`;
+        ValueError: the file is not UTF-8 YAML, or does not fit `AutoscalePolicy`;
             the message names the file and each bad field as a dotted path, e.g.
             `autoscale.yaml: attention.scale_in_cooldown_s: Input should be greater
             than or equal to 0`. Cross-field errors name both fields, e.g.
@@ -405,7 +405,11 @@ def load_policy(path: str | Path) -> AutoscalePolicy:
         OSError: the file cannot be read.
     """
     path = Path(path)
-    return parse_policy(path.read_text(), str(path))
+    try:
+        text = path.read_bytes().decode()
+    except UnicodeDecodeError as e:
+        raise PolicyError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); a policy is a YAML file") from e
+    return parse_policy(text, str(path))
 
 
 class PolicyError(ValueError):
@@ -429,6 +433,12 @@ def parse_policy(text: str, source: str = "policy") -> AutoscalePolicy:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise PolicyError(f"{source}: not valid YAML: {e}") from e
+    if not isinstance(data, dict):
+        got = "an empty document" if data is None else f"a {type(data).__name__}"
+        raise PolicyError(
+            f"{source}: expected a YAML mapping with an `attention` and/or an `ffn` section "
+            f"(e.g. deployments/autoscale.yaml), got {got}"
+        )
     try:
         return AutoscalePolicy.model_validate(data)
     except ValidationError as e:

@@ -8,19 +8,26 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from afd_ray.config import BATCH_WINDOW_MAX_US, ConnectorConfig, DType
-from afd_ray.connector.link import TransportChoice
+from afd_ray.connector.link import TransportChoice, check_transport
 from afd_ray.models import Family
 from afd_ray.models.shapes import Shape
+from afd_ray.platform import collective_backend
 
 Embedded = Literal["smollm2", "smollm2-moe"]
 """An embedded checkpoint (`afd_ray.models.embedded`), benchmarked like a family."""
 
-__all__ = ["BenchConfig", "Topology"]
+__all__ = ["MAX_RANKS", "BenchConfig", "Topology"]
+
+MAX_RANKS = 256
+"""Most attention ranks, and most FFN ranks, of one benchmark layout. Each rank is a
+Serve replica in a placement group of its own, and a layout is deployed whole; 256
+is past any machine this bench runs on (a CPU host, an 8-GPU node), and keeps a typo
+such as `--attention 1-100000000` a usage error rather than a sweep of 10^8 layouts."""
 
 _TOPOLOGY = re.compile(r"(\d+)A(\d+)F(-dbo)?(-bare)?", re.IGNORECASE)
 
@@ -39,11 +46,11 @@ class Topology(BaseModel):
     `"1A1F-bare"` are valid inputs.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
-    attention: int = Field(ge=1)
+    attention: int = Field(ge=1, le=MAX_RANKS)
     """Attention ranks (vLLM engines); 1 for plain vLLM."""
-    ffn: int = Field(ge=0)
+    ffn: int = Field(ge=0, le=MAX_RANKS)
     """FFN ranks (the EP size); 0 means plain vLLM, with no FFN pool."""
     ubatches: int = Field(1, ge=1)
     """`FFNPoolConfig.ubatches`: 2 with `-dbo`."""
@@ -58,15 +65,16 @@ class Topology(BaseModel):
         if data.lower() == "plain":
             return {"attention": 1, "ffn": 0}
         match = _TOPOLOGY.fullmatch(data)
-        if match is None or int(match[2]) == 0:
+        if match is None:
             raise ValueError(
                 f"topology {data!r}: expected 'plain' or '<A>A<F>F[-dbo][-bare]' with F >= 1 (e.g. 2A2F, 2A1F-dbo, "
                 "1A1F-bare)"
             )
-        return {
-            "attention": int(match[1]), "ffn": int(match[2]), "ubatches": 2 if match[3] else 1,
-            "observability": match[4] is None,
-        }  # fmt: skip
+        attention, ffn = int(match[1]), int(match[2])
+        for name, count in (("attention ranks A", attention), ("FFN ranks F", ffn)):
+            if not 1 <= count <= MAX_RANKS:
+                raise ValueError(f"topology {data!r}: {name} must be from 1 to {MAX_RANKS}, got {count}")
+        return {"attention": attention, "ffn": ffn, "ubatches": 2 if match[3] else 1, "observability": match[4] is None}
 
     @model_validator(mode="after")
     def _dbo_needs_two_peers(self) -> Topology:
@@ -94,9 +102,17 @@ def _default_checkpoints() -> Path:
 
 
 class BenchConfig(BaseModel):
-    """The measured settings: models, layouts, the load and the pool sizes."""
+    """The measured settings: models, layouts, the load and the pool sizes.
 
-    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+    Strict like the config tree's sections (`afd_ray.config`): unknown keys are
+    refused, an integer field takes an integer (never `"4"` or `4.0`), a flag only
+    `True`/`False`, and a float is finite. The lists (`families`, `topologies`,
+    `concurrency`) take a list or a tuple, `checkpoints` a path or a string.
+    """
+
+    model_config = ConfigDict(
+        frozen=True, extra="forbid", strict=True, allow_inf_nan=False, use_attribute_docstrings=True
+    )
 
     platform: Literal["cpu", "cuda"] = "cpu"
     """Where the engines run. `cuda`: every pool member (and the plain engine) gets a
@@ -106,7 +122,7 @@ class BenchConfig(BaseModel):
     dtype: DType = "float32"
     """Parameter and activation dtype of every engine (`ModelConfig.dtype`)."""
 
-    families: tuple[Family | Embedded | Shape, ...] = Field(("qwen3_moe",), min_length=1)
+    families: tuple[Family | Embedded | Shape, ...] = Field(("qwen3_moe",), min_length=1, strict=False)
     """Checkpoints to serve, one after another: tiny families (`afd_ray.models.tiny`),
     the embedded SmolLM2 (`smollm2`) and its MoE upcycling (`smollm2-moe`), or a real
     model's shape with random weights (`afd_ray.models.shapes`, `load_format: dummy`)."""
@@ -114,10 +130,11 @@ class BenchConfig(BaseModel):
     topologies: tuple[Topology, ...] = Field(
         (Topology(attention=1, ffn=0), Topology(attention=1, ffn=1), Topology(attention=2, ffn=2)),
         min_length=1,
+        strict=False,
     )
     """Layouts to deploy, one after another, for every family."""
 
-    concurrency: tuple[PositiveInt, ...] = Field((4,), min_length=1)
+    concurrency: tuple[Annotated[int, Field(strict=True, gt=0)], ...] = Field((4,), min_length=1, strict=False)
     """Concurrent request streams (the decode batch), one measured load per value on
     the same deployment, in the order given; each attention rank admits the largest."""
 
@@ -173,7 +190,9 @@ class BenchConfig(BaseModel):
     """Context length of each engine, tokens (prompt + output)."""
 
     transport: TransportChoice = "auto"
-    """`ConnectorConfig.transport` of the AFD runs (`auto`: `shm` on one node)."""
+    """`ConnectorConfig.transport` of the AFD runs (`auto`: `shm` on one node); a
+    fixed one must carry the platform's tensors (`shm`/`gloo` on CPU, `cuda_ipc` on
+    CUDA)."""
 
     batch_window_us: int = Field(ConnectorConfig().batch_window_us, ge=0, le=BATCH_WINDOW_MAX_US)
     """`ConnectorConfig.batch_window_us` of the AFD runs: how long an FFN rank waits
@@ -188,7 +207,7 @@ class BenchConfig(BaseModel):
     seed: int = 0
     """Weight seed of the tiny checkpoints."""
 
-    checkpoints: Path = Field(default_factory=_default_checkpoints)
+    checkpoints: Path = Field(default_factory=_default_checkpoints, strict=False)
     """Folder holding the tiny checkpoints (`<family>-seed<seed>/`), built on first use;
     default `<afd_ray cache>/tiny`."""
 
@@ -210,6 +229,14 @@ class BenchConfig(BaseModel):
         "compare layouts within one file, not across machines."
     )
     """Free text stored with the results (e.g. how noisy the machine was)."""
+
+    @field_validator("transport")
+    @classmethod
+    def _transport_carries_the_platform(cls, transport: TransportChoice, info: ValidationInfo) -> TransportChoice:
+        # the platform is validated first (fields in order); absent if it failed
+        if transport != "auto" and "platform" in info.data:
+            check_transport(transport, collective_backend(info.data["platform"]), field="")
+        return transport
 
     @model_validator(mode="after")
     def _requests_fit_the_context(self) -> BenchConfig:

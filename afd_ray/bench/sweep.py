@@ -32,7 +32,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from afd_ray.bench.cli import SMOKE, build_parser, format_table, serve_endpoint, usage_message
-from afd_ray.bench.config import BenchConfig, Topology
+from afd_ray.bench.config import MAX_RANKS, BenchConfig, Topology
 from afd_ray.bench.progress import emit
 from afd_ray.bench.schema import BenchResult
 
@@ -46,21 +46,18 @@ def parse_range(field: str, text: str) -> tuple[int, ...]:
     """`"2"` → (2,), `"1-3"` → (1, 2, 3), `"1,4"` → (1, 4).
 
     Raises:
-        ValueError: not of those forms, empty, or a value below 1; names `field`.
+        ValueError: not of those forms, empty, or a value below 1 or above
+            `MAX_RANKS` (checked before a range is listed); names `field`.
     """
     text = text.strip()
     match = _RANGE.fullmatch(text)
     try:
-        values = (
-            tuple(range(int(match[1]), int(match[2]) + 1))
-            if match
-            else tuple(int(part) for part in text.split(","))
-        )
+        numbers = (int(match[1]), int(match[2])) if match else tuple(int(part) for part in text.split(","))
     except ValueError:
         raise ValueError(f"{field}: {text!r} is not N, N-M or N,M,... (e.g. 1-2)") from None
-    if not values or min(values) < 1:
-        raise ValueError(f"{field}: {text!r} must name at least one rank count, each >= 1")
-    return values
+    if not numbers or min(numbers) < 1 or max(numbers) > MAX_RANKS or (match and numbers[0] > numbers[1]):
+        raise ValueError(f"{field}: {text!r} must name at least one rank count, each from 1 to {MAX_RANKS}")
+    return tuple(range(numbers[0], numbers[1] + 1)) if match else numbers
 
 
 def layouts_from_ranges(attention: str, ffn: str) -> tuple[Topology, ...]:

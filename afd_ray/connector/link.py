@@ -271,13 +271,14 @@ def select_transport(choice: TransportChoice, backend: str, same_node: bool) -> 
     return choice
 
 
-def check_transport(transport: str, backend: str) -> None:
-    """Raise ValueError unless `transport` carries the tensors of `backend`'s device."""
-    if transport not in _ALLOWED.get(backend, ()):
-        raise ValueError(
-            f"connector.transport: {transport!r} cannot carry {backend} tensors; "
-            f"use auto or one of {sorted(_ALLOWED.get(backend, ()))}"
-        )
+def check_transport(transport: str, backend: str, field: str = "connector.transport") -> None:
+    """Raise ValueError unless `transport` carries the tensors of `backend`'s device;
+    the message starts with `field` (none when empty: a pydantic field validator's
+    error already names its field)."""
+    allowed = sorted(_ALLOWED.get(backend, ()))
+    if transport not in allowed:
+        named = f"{field}: " if field else ""
+        raise ValueError(f"{named}{transport!r} cannot carry {backend} tensors; use auto or one of {allowed}")
 
 
 def contiguous(tensors: Sequence[torch.Tensor]) -> None:

@@ -29,12 +29,15 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, MixtralConfig
 
-from afd_ray.config import ModelConfig
+from afd_ray.config import GatePlacement, ModelConfig
+from afd_ray.ffn.family import ffn_layout
 from afd_ray.models._folder import build_once, is_checkpoint
 
 __all__ = [
     "EMBEDDED",
+    "EMBEDDED_MOE",
     "cache_dir",
+    "check_gate_placement",
     "prepare_smollm2",
     "prepare_smollm2_moe",
     "resolve_checkpoint",
@@ -216,6 +219,34 @@ EMBEDDED: Mapping[str, Callable[[Path | None], Path]] = MappingProxyType(
 )
 """Embedded model name -> its prepare function (cache root -> checkpoint folder).
 The same names as `afd_ray.config.EMBEDDED_MODELS`."""
+
+
+EMBEDDED_MOE: Mapping[str, bool] = MappingProxyType({"smollm2": False, "smollm2-moe": True})
+"""Embedded model name -> whether it has MoE layers (`smollm2` is a dense Llama,
+`smollm2-moe` a Mixtral), known before its folder is prepared."""
+
+
+def check_gate_placement(model: ModelConfig, gate_placement: GatePlacement) -> None:
+    """Refuse `gate_on_attention` for a model without MoE layers, before any replica
+    starts (the FFN rank would refuse it only once loading). Reads a folder source's
+    `config.json`; an embedded model's kind is known (`EMBEDDED_MOE`).
+
+    Raises:
+        ValueError: `gate_on_attention` with a dense model, naming `gate_placement`;
+            or a folder's `model_type` the FFN role does not support, naming
+            `model.source` (`afd_ray.ffn.family.ffn_layout`).
+    """
+    if gate_placement != "gate_on_attention":
+        return
+    if model.source in EMBEDDED_MOE:
+        moe = EMBEDDED_MOE[model.source]
+    else:
+        moe = bool(ffn_layout(AutoConfig.from_pretrained(model.source)).moe_layers)
+    if not moe:
+        raise ValueError(
+            f"gate_placement: gate_on_attention needs an MoE model; model.source {model.source!r} is dense "
+            "(use gate_on_ffn)"
+        )
 
 
 def resolve_checkpoint(model: ModelConfig) -> Path:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from afd_ray.argtypes import positive, positive_int
+from afd_ray.argtypes import at_most, positive, positive_int
 from afd_ray.models import FAMILIES
 
 __all__ = ["add_plan", "add_profile"]
@@ -86,7 +86,7 @@ def _plan(args: argparse.Namespace) -> None:
 
 
 def add_plan(subparsers: argparse._SubParsersAction) -> None:
-    from afd_ray.plan.plan import DEFAULT_BATCHES
+    from afd_ray.plan.plan import DEFAULT_BATCHES, MAX_CONTEXT, MAX_DEVICES
 
     plan = subparsers.add_parser(
         "plan",
@@ -98,8 +98,14 @@ def add_plan(subparsers: argparse._SubParsersAction) -> None:
     )
     plan.add_argument("--model", help="with a GPU benchmark JSON: which of its models (default: the first)")
     plan.add_argument("--slo-tpot-ms", type=positive, required=True, help="TPOT target, ms")
-    plan.add_argument("--devices", type=positive_int, required=True, help="devices for attention + FFN ranks")
-    plan.add_argument("--context", type=positive, help="mean context per sequence, tokens (default: the profile's largest)")
+    plan.add_argument(
+        "--devices", type=at_most(positive_int, MAX_DEVICES), required=True,
+        help=f"devices for attention + FFN ranks (at most {MAX_DEVICES})",
+    )
+    plan.add_argument(
+        "--context", type=at_most(positive, MAX_CONTEXT),
+        help=f"mean context per sequence, tokens, at most {MAX_CONTEXT} (default: the profile's largest)",
+    )
     plan.add_argument("--output-tokens", type=positive_int, default=256, help="output tokens per request, for requests/s (default: 256)")
     plan.add_argument("--price-per-device-hour", type=positive, default=1.0, help="price of one device-hour (default: 1)")
     plan.add_argument("--batches", type=positive_int, nargs="+", default=list(DEFAULT_BATCHES), help="batch sizes per attention rank to try")

@@ -14,9 +14,20 @@ from collections.abc import Sequence
 
 from afd_ray.plan.model import Estimate, Layout, PerformanceModel
 
-__all__ = ["DEFAULT_BATCHES", "format_plan", "rank_layouts"]
+__all__ = ["DEFAULT_BATCHES", "MAX_CONTEXT", "MAX_DEVICES", "format_plan", "rank_layouts"]
 
 DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+MAX_DEVICES = 256
+"""Most devices `rank_layouts` plans for. It enumerates every A + F <= devices, about
+devices² / 2 layouts times the batches and DBO off/on: 256 devices are 620,000
+estimates with the default batches, 15 s of CPU (`afd-ray plan --devices 100000`
+ran for hours); a larger deployment repeats a smaller A:F group."""
+
+MAX_CONTEXT = 2**24
+"""Largest mean context per sequence `rank_layouts` takes, tokens (16.8M): past the
+context window of any served model (the longest, 10M tokens), where the model's
+linear extrapolation from the profiled contexts means nothing."""
 
 
 def rank_layouts(
@@ -32,11 +43,16 @@ def rank_layouts(
     goodput; the rest after them by TPOT.
 
     Raises:
-        ValueError: `devices` < 2 (AFD needs an attention and an FFN rank) or
-            `slo_tpot_ms` <= 0; names the field.
+        ValueError: `devices` < 2 (AFD needs an attention and an FFN rank) or above
+            `MAX_DEVICES`, `context` not in (0, `MAX_CONTEXT`], or `slo_tpot_ms` <= 0;
+            names the field.
     """
     if devices < 2:
         raise ValueError(f"devices: {devices} < 2; AFD needs at least one attention and one FFN rank")
+    if devices > MAX_DEVICES:
+        raise ValueError(f"devices: {devices} > {MAX_DEVICES}, the most the planner enumerates (MAX_DEVICES)")
+    if not 0 < context <= MAX_CONTEXT:
+        raise ValueError(f"context: must be in (0, {MAX_CONTEXT}] tokens (MAX_CONTEXT), got {context}")
     if not slo_tpot_ms > 0:
         raise ValueError(f"slo_tpot_ms: must be > 0, got {slo_tpot_ms}")
     estimates = [

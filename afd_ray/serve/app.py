@@ -14,6 +14,7 @@ from afd_ray.control.coordinator import (
     Coordinator,
 )
 from afd_ray.ffn.server import FFNServer
+from afd_ray.models.embedded import check_gate_placement
 from afd_ray.platform import actor_resources, resource_key
 from afd_ray.serve.access import AccessKeys
 from afd_ray.serve.ingress import Ingress
@@ -51,10 +52,13 @@ def build_app(args: dict[str, object]) -> Application:
         pydantic.ValidationError: `args` does not fit `AFDConfig`; the message names
             the offending field (e.g. `attention.num_ranks`).
         ValueError: `autoscale.policy` names a file that does not load (the message
-            names the field in that file), or `ingress.api_key_env` /
-            `ingress.admin_key_env` names an unset environment variable.
+            names the field in that file), `ingress.api_key_env` /
+            `ingress.admin_key_env` names an unset environment variable, or
+            `gate_placement: gate_on_attention` comes with a dense model
+            (`check_gate_placement`).
     """
     cfg = AFDConfig.model_validate(args)
+    check_gate_placement(cfg.model, cfg.gate_placement)
     access = AccessKeys.from_env(cfg.ingress)
     policy = _load_policy(cfg.autoscale.policy) if cfg.autoscale.policy else None
     coordinator = serve.deployment(Coordinator).options(

@@ -43,6 +43,33 @@ def test_text_that_is_not_yaml_names_no_field() -> None:
     assert info.value.fields == ()
 
 
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        # said only "'utf-8' codec can't decode byte 0xff in position 0: invalid start byte"
+        (b"\xff\xfeattention:\n", "not UTF-8 text (invalid start byte at byte 0); a policy is a YAML file"),
+        # said "<root>: Input should be a valid dictionary or instance of AutoscalePolicy"
+        (b"", "expected a YAML mapping with an `attention` and/or an `ffn` section "
+              "(e.g. deployments/autoscale.yaml), got an empty document"),
+        (b"- 1\n", "expected a YAML mapping with an `attention` and/or an `ffn` section "
+                   "(e.g. deployments/autoscale.yaml), got a list"),
+    ],
+    ids=["not-utf8", "empty", "list"],
+)
+def test_a_policy_file_that_is_no_mapping_names_the_file_and_what_is_expected(
+    content: bytes, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_bytes(content)
+    with pytest.raises(PolicyError, match="bad.yaml") as info:
+        load_policy(bad)
+    assert str(info.value) == f"{bad}: {message}"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["autoscale", "simulate", "--policy", str(bad), "--ramp"])
+    assert exit_info.value.code == 1
+    assert capsys.readouterr().err.splitlines()[-1] == f"afd-ray: error: {bad}: {message}"
+
+
 def test_cli_apply_rejects_a_bad_file_before_sending(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("ffn:\n  step: 0\n")

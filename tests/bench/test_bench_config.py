@@ -51,6 +51,24 @@ def test_bad_topology_is_rejected_with_its_label(label: str) -> None:
         BenchConfig(topologies=(label,))
 
 
+@pytest.mark.parametrize(
+    ("label", "message"),
+    [
+        # said only "Input should be greater than or equal to 1 (got 0)"
+        ("0A1F", "topology '0A1F': attention ranks A must be from 1 to 256, got 0"),
+        ("1A0F", "topology '1A0F': FFN ranks F must be from 1 to 256, got 0"),
+        ("1A257F-dbo", "topology '1A257F-dbo': FFN ranks F must be from 1 to 256, got 257"),
+    ],
+)
+def test_a_rank_count_out_of_bounds_names_the_pool_and_the_bound(
+    label: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--topologies", label])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"python -m afd_ray.bench: error: --topologies: {message}"
+
+
 def test_bad_topology_flag_is_one_line_naming_the_flag_and_the_form(capsys: pytest.CaptureFixture[str]) -> None:
     """A label that does not parse printed pydantic's two errors (the label, then
     the emptied list's length) with their URLs."""
@@ -71,6 +89,30 @@ def test_bad_flag_exits_2_naming_the_field(capsys: pytest.CaptureFixture[str]) -
     assert "concurrency" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("argv", "allowed"),
+    [
+        # cuda_ipc on CPU was accepted; the run failed once Ray was up, in the app's config
+        (["--transport", "cuda_ipc"], "['gloo', 'shm']"),
+        (["--platform", "cuda", "--transport", "shm"], "['cuda_ipc', 'nccl']"),
+    ],
+)
+def test_a_transport_the_platform_cannot_use_exits_2_naming_the_flag(
+    argv: list[str], allowed: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    transport = argv[-1]
+    with pytest.raises(ValidationError, match="transport"):  # before main(), which would start Ray if accepted
+        BenchConfig(platform="cuda" if transport == "shm" else "cpu", transport=transport)
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        f"--transport: {transport!r} cannot carry {'gloo' if transport == 'cuda_ipc' else 'nccl'} tensors; "
+        f"use auto or one of {allowed}"
+    )
+    assert BenchConfig(platform="cuda", transport="cuda_ipc").transport == "cuda_ipc"
+
+
 def test_batch_window_over_its_bound_exits_2_naming_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["--batch-window-us", "3000000"])
@@ -86,6 +128,36 @@ def test_prompt_and_output_over_the_context_exit_2_before_any_deployment(capsys:
     assert exit_info.value.code == 2
     assert "prompt_tokens: 4096 + max_tokens 64 > max_model_len 512" in capsys.readouterr().err
     assert BenchConfig(prompt_tokens=448, max_tokens=64).max_model_len == 512
+
+
+@pytest.mark.parametrize(
+    ("settings", "field"),
+    [
+        ({"concurrency": "4"}, "concurrency"),
+        ({"concurrency": ["4"]}, "concurrency.0"),
+        ({"concurrency": (4.0,)}, "concurrency.0"),
+        ({"max_tokens": 8.0}, "max_tokens"),
+        ({"seed": "3"}, "seed"),
+        ({"enforce_eager": "yes"}, "enforce_eager"),
+        ({"slo_tpot_ms": float("inf")}, "slo_tpot_ms"),
+        ({"topologies": [{"attention": "2", "ffn": 1}]}, "topologies.0.attention"),
+        ({"concurency": (4,)}, "concurency"),
+    ],
+)
+def test_python_callers_get_the_strict_checks_of_the_config_tree(settings: dict[str, object], field: str) -> None:
+    """A notebook's `BenchConfig(concurrency=["4"])` was coerced to 4 (and `"4"`,
+    `8.0`, `"yes"`, an infinite SLO likewise accepted)."""
+    with pytest.raises(ValidationError) as error:
+        BenchConfig.model_validate(settings)
+    assert ".".join(map(str, error.value.errors()[0]["loc"])) == field
+
+
+def test_lists_and_path_strings_stay_accepted() -> None:
+    cfg = BenchConfig(
+        concurrency=[4, 8], families=["llama"], topologies=["1A1F"], checkpoints="/tmp/tiny", kv_cache_gib=1
+    )
+    assert (cfg.concurrency, cfg.families, cfg.kv_cache_gib) == ((4, 8), ("llama",), 1.0)
+    assert cfg.checkpoints == Path("/tmp/tiny")
 
 
 def test_latency_summary_in_milliseconds() -> None:

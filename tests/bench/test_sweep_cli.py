@@ -28,6 +28,12 @@ def test_ranges_and_lists() -> None:
     ("argv", "field"),
     [
         (["--attention", "0-2", "--ffn", "1"], "--attention"),
+        (["--attention", "3-1", "--ffn", "1"], "--attention"),
+        # listing the range ended in a MemoryError
+        (["--attention", "1-100000000", "--ffn", "1"], "--attention: '1-100000000' must name at least one rank count, "
+         "each from 1 to 256"),
+        (["--attention", "1", "--ffn", "2,100000"], "--ffn: '2,100000'"),
+        (["--topologies", "1A300F"], "--topologies"),
         (["--attention", "1", "--ffn", "x"], "--ffn"),
         (["--attention", "1-2"], "--attention and --ffn"),
         (["--attention", "1", "--ffn", "1", "--topologies", "1A1F"], "--topologies"),

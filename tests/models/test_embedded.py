@@ -12,8 +12,10 @@ from afd_ray.config import EMBEDDED_MODELS, ModelConfig
 from afd_ray.models._folder import build_once
 from afd_ray.models.embedded import (
     EMBEDDED,
+    EMBEDDED_MOE,
     SMOLLM2_DIR,
     cache_dir,
+    check_gate_placement,
     prepare_smollm2,
     resolve_checkpoint,
 )
@@ -28,6 +30,24 @@ def test_cache_dir_follows_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) 
 
 def test_embedded_names_match_config() -> None:
     assert set(EMBEDDED) == set(EMBEDDED_MODELS)
+
+
+def test_gate_on_attention_with_a_dense_model_is_refused_before_any_replica(tmp_path: Path) -> None:
+    """`build_app` accepted it; the FFN replica refused it once loading the model."""
+    assert set(EMBEDDED_MOE) == set(EMBEDDED)
+    dense = "gate_placement: gate_on_attention needs an MoE model; model.source {!r} is dense"
+    with pytest.raises(ValueError, match=dense.format("smollm2")):
+        check_gate_placement(ModelConfig(source="smollm2"), "gate_on_attention")
+    check_gate_placement(ModelConfig(source="smollm2-moe"), "gate_on_attention")
+    check_gate_placement(ModelConfig(source="smollm2"), "gate_on_ffn")
+    for model_type in ("llama", "mixtral", "mamba"):
+        (tmp_path / model_type).mkdir()
+        (tmp_path / model_type / "config.json").write_text(f'{{"model_type": "{model_type}"}}')
+    with pytest.raises(ValueError, match=dense.format(str(tmp_path / "llama"))):
+        check_gate_placement(ModelConfig(source=str(tmp_path / "llama")), "gate_on_attention")
+    check_gate_placement(ModelConfig(source=str(tmp_path / "mixtral")), "gate_on_attention")
+    with pytest.raises(ValueError, match="model.source: FFN role does not support model_type 'mamba'"):
+        check_gate_placement(ModelConfig(source=str(tmp_path / "mamba")), "gate_on_attention")
 
 
 def test_prepare_smollm2_is_idempotent(smollm2_dir: Path) -> None:

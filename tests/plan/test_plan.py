@@ -13,7 +13,7 @@ import pytest
 
 from afd_ray.cli import main
 from afd_ray.plan.model import Layout, PerformanceModel
-from afd_ray.plan.plan import rank_layouts
+from afd_ray.plan.plan import MAX_CONTEXT, MAX_DEVICES, rank_layouts
 from afd_ray.plan.profile import load_profile
 from afd_ray.plan.schema import Link, Profile, StepPoint
 
@@ -61,6 +61,19 @@ def test_ranking_puts_the_cheapest_slo_meeting_layout_first() -> None:
     assert all(e.layout.attention + e.layout.ffn <= 4 for e in ranked)
 
 
+@pytest.mark.parametrize(
+    ("devices", "context", "message"),
+    [
+        (MAX_DEVICES + 1, 100, "devices: 257 > 256, the most the planner enumerates"),
+        (4, MAX_CONTEXT * 2, r"context: must be in \(0, 16777216\] tokens"),
+        (4, 0, "context: must be in"),
+    ],
+)
+def test_ranking_bounds_its_inputs(devices: int, context: float, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        rank_layouts(PerformanceModel(_profile()), devices, 10, context, 8, 1.0, batches=(1,))
+
+
 def test_the_gpu_benchmark_json_is_a_profile() -> None:
     profile = load_profile(GPU_JSON, "qwen3-30b-a3b-like")
     assert profile.device.startswith("NVIDIA H200") and profile.num_layers == 48 and profile.bytes_per_elem == 2
@@ -93,6 +106,11 @@ def test_bad_profile_files_name_the_field(tmp_path: Path) -> None:
         (["--slo-tpot-ms", "50", "--devices", "1"], 1, "devices"),
         (["--slo-tpot-ms", "50", "--devices", "4", "--host-cores", "0"], 2, "--host-cores"),
         (["--slo-tpot-ms", "50", "--devices", "4", "--host-cores", "two"], 2, "--host-cores"),
+        # --devices 100000 enumerated for hours; --context 1e12 printed TPOTs of 10^7 ms
+        (["--slo-tpot-ms", "50", "--devices", "257"], 2, "argument --devices: must be <= 256, got 257"),
+        (["--slo-tpot-ms", "50", "--devices", "4", "--context", "1e12"], 2,
+         "argument --context: must be <= 16777216, got 1e12"),
+        (["--slo-tpot-ms", "50", "--devices", "4", "--context", "inf"], 2, "--context"),
     ],
 )
 def test_plan_cli_bad_inputs(argv: list[str], code: int, field: str, capsys: pytest.CaptureFixture[str]) -> None:

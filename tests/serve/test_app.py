@@ -29,3 +29,9 @@ def test_invalid_args_name_the_field(args: dict[str, object], field: str) -> Non
 def test_ep_idle_backoff_below_its_start_is_refused() -> None:
     with pytest.raises(pydantic.ValidationError, match=r"ffn\.ep_idle_max_check_us: 1000 < ffn\.ep_idle_check_us 2000"):
         build_app({"ffn": {"ep_idle_max_check_us": 1000}})
+
+
+def test_gate_on_attention_with_a_dense_model_is_refused() -> None:
+    """Accepted here; the FFN replica refused it once loading the model."""
+    with pytest.raises(ValueError, match="gate_placement: gate_on_attention needs an MoE model; model.source 'smol"):
+        build_app({"gate_placement": "gate_on_attention"})
