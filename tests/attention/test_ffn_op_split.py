@@ -16,7 +16,6 @@ that the next piece read: the second check fails on that form (seen on an H200 a
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,14 +25,11 @@ from torch import fx
 from vllm.compilation.backends import split_graph
 from vllm.compilation.partition_rules import should_split
 
-from afd_ray.attention.ffn_client import ASSIGNMENT_ENV, reset_ffn_client
 from afd_ray.attention.ffn_op import SPLITTING_OPS, begin_ffn_step, remote_ffn, remote_moe
 from afd_ray.compat import splitting_ops_with
-from afd_ray.connector.channel import FFNChannel
-from afd_ray.control.membership import AttentionAssignment
 from afd_ray.ffn.model import FFNStack, load_ffn_stack
-from afd_ray.ffn.runtime import FFNRuntime
 from afd_ray.models.tiny import build_tiny
+from ffn_peer import ffn_peer
 
 TOKENS = 6
 
@@ -45,22 +41,8 @@ def _runtime(
     that this process's `ffn_client()` is assigned to."""
     checkpoint = build_tiny(family, tmp_path / family)
     stack = load_ffn_stack(Path(checkpoint), torch.float32, torch.device("cpu"), gate_on_attention=gate_on_attention)
-    channel = FFNChannel("127.0.0.1", "gloo", timeout_s=10)
-    runtime = FFNRuntime(stack, channel, torch.float32, poll_s=0.05, batch_window_s=0.01)
-    loop = threading.Thread(target=runtime.run)
-    loop.start()
-    address = channel.address
-    assignment = AttentionAssignment(
-        peer=0, ffn_rank=0, host=address.host, store_port=address.store_port, control_port=address.control_port,
-        epoch=0, transport="shm", timeout_s=10,
-    )  # fmt: skip
-    monkeypatch.setenv(ASSIGNMENT_ENV, assignment.model_dump_json())
-    try:
+    with ffn_peer(stack, torch.float32, monkeypatch, timeout_s=10):
         yield stack
-    finally:
-        reset_ffn_client()
-        runtime.stop()
-        loop.join(10)
 
 
 @pytest.fixture

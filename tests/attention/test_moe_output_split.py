@@ -23,7 +23,6 @@ bit. The second test shows, on CPU, what the old F2A sum changed.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -37,16 +36,13 @@ from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
 from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
 from vllm.model_executor.layers.layernorm import RMSNorm
 
-from afd_ray.attention.ffn_client import ASSIGNMENT_ENV, reset_ffn_client
 from afd_ray.attention.ffn_op import SPLITTING_OPS, begin_ffn_step, remote_ffn
 from afd_ray.attention.models.base import AFDDecoderLayer, combine_moe_parts
 from afd_ray.compat import splitting_ops_with
-from afd_ray.connector.channel import FFNChannel
-from afd_ray.control.membership import AttentionAssignment
 from afd_ray.ffn.model import FFNStack, load_ffn_stack
 from afd_ray.ffn.moe import MoE
-from afd_ray.ffn.runtime import FFNRuntime
 from afd_ray.models.tiny import build_tiny
+from ffn_peer import ffn_peer
 
 TOKENS = 16
 TIMEOUT_S = 120.0  # a step's exchanges wait for inductor's compiles
@@ -65,22 +61,8 @@ def served(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FFNSta
     """The tiny DeepSeek-V3's FFN stack for compiled attention engines (bfloat16),
     served by a real FFN runtime over `shm` that this process's `ffn_client()` uses."""
     stack = load_ffn_stack(checkpoint, torch.bfloat16, torch.device("cpu"), attention_compiled=True)
-    channel = FFNChannel("127.0.0.1", "gloo", timeout_s=TIMEOUT_S)
-    runtime = FFNRuntime(stack, channel, torch.bfloat16, poll_s=0.05, batch_window_s=0.01)
-    loop = threading.Thread(target=runtime.run)
-    loop.start()
-    address = channel.address
-    assignment = AttentionAssignment(
-        peer=0, ffn_rank=0, host=address.host, store_port=address.store_port, control_port=address.control_port,
-        epoch=0, transport="shm", timeout_s=TIMEOUT_S,
-    )  # fmt: skip
-    monkeypatch.setenv(ASSIGNMENT_ENV, assignment.model_dump_json())
-    try:
+    with ffn_peer(stack, torch.bfloat16, monkeypatch, timeout_s=TIMEOUT_S):
         yield stack
-    finally:
-        reset_ffn_client()
-        runtime.stop()
-        loop.join(TIMEOUT_S)
 
 
 class _Layer(AFDDecoderLayer):
