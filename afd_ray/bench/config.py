@@ -235,7 +235,7 @@ class BenchConfig(BaseModel):
     def _transport_carries_the_platform(cls, transport: TransportChoice, info: ValidationInfo) -> TransportChoice:
         # the platform is validated first (fields in order); absent if it failed
         if transport != "auto" and "platform" in info.data:
-            check_transport(transport, collective_backend(info.data["platform"]), field="")
+            check_transport(transport, collective_backend(info.data["platform"]), field=None)
         return transport
 
     @model_validator(mode="after")

@@ -271,13 +271,13 @@ def select_transport(choice: TransportChoice, backend: str, same_node: bool) -> 
     return choice
 
 
-def check_transport(transport: str, backend: str, field: str = "connector.transport") -> None:
+def check_transport(transport: str, backend: str, field: str | None = "connector.transport") -> None:
     """Raise ValueError unless `transport` carries the tensors of `backend`'s device;
-    the message starts with `field` (none when empty: a pydantic field validator's
-    error already names its field)."""
+    the message starts with `field` (None: a pydantic field validator's error already
+    names its field)."""
     allowed = sorted(_ALLOWED.get(backend, ()))
     if transport not in allowed:
-        named = f"{field}: " if field else ""
+        named = "" if field is None else f"{field}: "
         raise ValueError(f"{named}{transport!r} cannot carry {backend} tensors; use auto or one of {allowed}")
 
 

@@ -104,9 +104,9 @@ class MoE(nn.Module):
         if self.split_output:
             parts = [routed.to(dtype)] if shared is None else [routed.to(dtype), shared]
             return torch.stack(parts, dim=1)  # [T, P, H]
-        out = routed.float()  # [T, H]
+        out = routed.float()  # [T, H]; `routed` itself when already float32 (a temporary)
         if shared is not None:
-            out = out + shared
+            out += shared
         return out.to(dtype)
 
     def routed_fused(self, hidden: torch.Tensor, routing: Routing) -> torch.Tensor:

@@ -229,7 +229,8 @@ EMBEDDED_MOE: Mapping[str, bool] = MappingProxyType({"smollm2": False, "smollm2-
 def check_gate_placement(model: ModelConfig, gate_placement: GatePlacement) -> None:
     """Refuse `gate_on_attention` for a model without MoE layers, before any replica
     starts (the FFN rank would refuse it only once loading). Reads a folder source's
-    `config.json`; an embedded model's kind is known (`EMBEDDED_MOE`).
+    `config.json`; an embedded model's kind is known (`EMBEDDED_MOE`). A folder this
+    process cannot read (it exists only on the pools' nodes) is left to the FFN rank.
 
     Raises:
         ValueError: `gate_on_attention` with a dense model, naming `gate_placement`;
@@ -240,8 +241,10 @@ def check_gate_placement(model: ModelConfig, gate_placement: GatePlacement) -> N
         return
     if model.source in EMBEDDED_MOE:
         moe = EMBEDDED_MOE[model.source]
-    else:
+    elif (Path(model.source) / "config.json").is_file():
         moe = bool(ffn_layout(AutoConfig.from_pretrained(model.source)).moe_layers)
+    else:
+        return
     if not moe:
         raise ValueError(
             f"gate_placement: gate_on_attention needs an MoE model; model.source {model.source!r} is dense "

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pydantic
 import pytest
 
+from afd_ray.models.tiny import build_tiny
 from afd_ray.serve.app import build_app
 
 
@@ -35,3 +38,10 @@ def test_gate_on_attention_with_a_dense_model_is_refused() -> None:
     """Accepted here; the FFN replica refused it once loading the model."""
     with pytest.raises(ValueError, match="gate_placement: gate_on_attention needs an MoE model; model.source 'smol"):
         build_app({"gate_placement": "gate_on_attention"})
+
+
+def test_gate_on_attention_with_a_dense_folder_is_refused(tmp_path: Path) -> None:
+    """A folder source's `config.json` is read at build time."""
+    folder = build_tiny("llama", tmp_path / "llama")
+    with pytest.raises(ValueError, match="gate_placement: gate_on_attention needs an MoE model"):
+        build_app({"gate_placement": "gate_on_attention", "model": {"source": str(folder)}})
