@@ -29,6 +29,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch._inductor.config
 from torch import fx, nn
 from torch._inductor.compile_fx import compile_fx
 from vllm.compilation.backends import split_graph
@@ -49,6 +50,15 @@ TIMEOUT_S = 120.0  # a step's exchanges wait for inductor's compiles
 SCALE = 2.5  # the tiny DeepSeek-V3's routed_scaling_factor
 _RUNNER = SimpleNamespace(routed_scaling_factor=SCALE)
 """What vLLM's `MoERunner` scaling method reads of its runner."""
+
+
+@pytest.fixture(autouse=True)
+def avx2_kernels() -> Iterator[None]:
+    """Inductor's CPU kernels at one vector width (256 bits: AVX2) on every x86 CPU:
+    it picks the widest the CPU has otherwise, and bit-equality between differently
+    fused kernels is checked on the kernels this test was written against."""
+    with torch._inductor.config.patch({"cpp.simdlen": 256}):
+        yield
 
 
 @pytest.fixture
