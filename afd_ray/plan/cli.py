@@ -43,6 +43,8 @@ def _profile(args: argparse.Namespace) -> None:
 
 
 def add_profile(subparsers: argparse._SubParsersAction) -> None:
+    from afd_ray.plan.plan import MAX_BATCH
+
     profile = subparsers.add_parser(
         "profile",
         help="serve the model with plain vLLM here and split a decode step into attention, FFN/MoE "
@@ -51,7 +53,10 @@ def add_profile(subparsers: argparse._SubParsersAction) -> None:
     source = profile.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", help="embedded model name or checkpoint folder")
     source.add_argument("--tiny", choices=FAMILIES, help="a tiny random checkpoint of this family")
-    profile.add_argument("--batches", type=positive_int, nargs="+", default=[1, 2, 4, 8], help="batch sizes (default: 1 2 4 8)")
+    profile.add_argument(
+        "--batches", type=at_most(positive_int, MAX_BATCH), nargs="+", default=[1, 2, 4, 8],
+        help=f"batch sizes, each at most {MAX_BATCH} (default: 1 2 4 8)",
+    )
     profile.add_argument(
         "--prompt-tokens", type=positive_int, nargs="+", default=[32, 128], help="prompt lengths, tokens (default: 32 128)"
     )
@@ -86,7 +91,7 @@ def _plan(args: argparse.Namespace) -> None:
 
 
 def add_plan(subparsers: argparse._SubParsersAction) -> None:
-    from afd_ray.plan.plan import DEFAULT_BATCHES, MAX_CONTEXT, MAX_DEVICES
+    from afd_ray.plan.plan import DEFAULT_BATCHES, MAX_BATCH, MAX_CONTEXT, MAX_DEVICES
 
     plan = subparsers.add_parser(
         "plan",
@@ -108,7 +113,10 @@ def add_plan(subparsers: argparse._SubParsersAction) -> None:
     )
     plan.add_argument("--output-tokens", type=positive_int, default=256, help="output tokens per request, for requests/s (default: 256)")
     plan.add_argument("--price-per-device-hour", type=positive, default=1.0, help="price of one device-hour (default: 1)")
-    plan.add_argument("--batches", type=positive_int, nargs="+", default=list(DEFAULT_BATCHES), help="batch sizes per attention rank to try")
+    plan.add_argument(
+        "--batches", type=at_most(positive_int, MAX_BATCH), nargs="+", default=list(DEFAULT_BATCHES),
+        help=f"batch sizes per attention rank to try (each at most {MAX_BATCH})",
+    )
     plan.add_argument(
         "--host-cores",
         type=positive,

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from afd_ray.plan.model import Estimate, Layout, PerformanceModel
 
-__all__ = ["DEFAULT_BATCHES", "MAX_CONTEXT", "MAX_DEVICES", "format_plan", "rank_layouts"]
+__all__ = ["DEFAULT_BATCHES", "MAX_BATCH", "MAX_CONTEXT", "MAX_DEVICES", "format_plan", "rank_layouts"]
 
 DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
@@ -23,6 +23,12 @@ MAX_DEVICES = 256
 devices² / 2 layouts times the batches and DBO off/on: 256 devices are 620,000
 estimates with the default batches, 15 s of CPU (`afd-ray plan --devices 100000`
 ran for hours); a larger deployment repeats a smaller A:F group."""
+
+MAX_BATCH = 8192
+"""Largest batch per attention rank `rank_layouts` (and `afd-ray profile`) takes:
+16x the 512 of `DEFAULT_BATCHES` and 8x vLLM's largest default `max_num_seqs` (1024).
+The model extrapolates linearly from the profiled batches; `--batches 1000000000`
+printed TPOTs of 7.9e7 ms in a table whose columns ran together."""
 
 MAX_CONTEXT = 2**24
 """Largest mean context per sequence `rank_layouts` takes, tokens (16.8M): past the
@@ -44,8 +50,8 @@ def rank_layouts(
 
     Raises:
         ValueError: `devices` < 2 (AFD needs an attention and an FFN rank) or above
-            `MAX_DEVICES`, `context` not in (0, `MAX_CONTEXT`], or `slo_tpot_ms` <= 0;
-            names the field.
+            `MAX_DEVICES`, `context` not in (0, `MAX_CONTEXT`], `slo_tpot_ms` <= 0, or
+            `batches` empty or with a value outside [1, `MAX_BATCH`]; names the field.
     """
     if devices < 2:
         raise ValueError(f"devices: {devices} < 2; AFD needs at least one attention and one FFN rank")
@@ -55,6 +61,8 @@ def rank_layouts(
         raise ValueError(f"context: must be in (0, {MAX_CONTEXT}] tokens (MAX_CONTEXT), got {context}")
     if not slo_tpot_ms > 0:
         raise ValueError(f"slo_tpot_ms: must be > 0, got {slo_tpot_ms}")
+    if not batches or not all(1 <= b <= MAX_BATCH for b in batches):
+        raise ValueError(f"batches: need at least one, each in [1, {MAX_BATCH}] (MAX_BATCH), got {list(batches)}")
     estimates = [
         model.estimate(Layout(a, f, b, dbo), context, slo_tpot_ms, output_tokens, price_per_device_hour)
         for a in range(1, devices)

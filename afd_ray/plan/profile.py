@@ -129,7 +129,8 @@ def profile_vllm(
         link: the A2F/F2A link; None measures the connector over gloo here.
 
     Raises:
-        ValueError: no decoder layers found; an empty `batches` or `prompt_tokens`.
+        ValueError: no decoder layers found; an empty `batches` or `prompt_tokens`, a
+            batch above `afd_ray.plan.plan.MAX_BATCH`.
         RuntimeError: too few decode steps could be timed.
     """
     from vllm import LLM, SamplingParams
@@ -138,9 +139,12 @@ def profile_vllm(
     from afd_ray.attention.engine import engine_env
     from afd_ray.config import AttentionPoolConfig
     from afd_ray.plan.link import measure_link
+    from afd_ray.plan.plan import MAX_BATCH
 
     if not batches or not prompt_tokens:
         raise ValueError("batches, prompt_tokens: at least one value each")
+    if max(batches) > MAX_BATCH:
+        raise ValueError(f"batches: each at most {MAX_BATCH} (MAX_BATCH), got {max(batches)}")
     config = json.loads((checkpoint / "config.json").read_text())
     hidden, layers = config["hidden_size"], config["num_hidden_layers"]
     torch_dtype = getattr(torch, dtype)

@@ -13,7 +13,7 @@ import pytest
 
 from afd_ray.cli import main
 from afd_ray.plan.model import Layout, PerformanceModel
-from afd_ray.plan.plan import MAX_CONTEXT, MAX_DEVICES, rank_layouts
+from afd_ray.plan.plan import MAX_BATCH, MAX_CONTEXT, MAX_DEVICES, rank_layouts
 from afd_ray.plan.profile import load_profile
 from afd_ray.plan.schema import Link, Profile, StepPoint
 
@@ -74,6 +74,12 @@ def test_ranking_bounds_its_inputs(devices: int, context: float, message: str) -
         rank_layouts(PerformanceModel(_profile()), devices, 10, context, 8, 1.0, batches=(1,))
 
 
+@pytest.mark.parametrize("batches", [(), (0,), (4, MAX_BATCH + 1)])
+def test_ranking_bounds_its_batches(batches: tuple[int, ...]) -> None:
+    with pytest.raises(ValueError, match=r"batches: need at least one, each in \[1, 8192\]"):
+        rank_layouts(PerformanceModel(_profile()), 4, 10, 100, 8, 1.0, batches=batches)
+
+
 def test_the_gpu_benchmark_json_is_a_profile() -> None:
     profile = load_profile(GPU_JSON, "qwen3-30b-a3b-like")
     assert profile.device.startswith("NVIDIA H200") and profile.num_layers == 48 and profile.bytes_per_elem == 2
@@ -111,6 +117,9 @@ def test_bad_profile_files_name_the_field(tmp_path: Path) -> None:
         (["--slo-tpot-ms", "50", "--devices", "4", "--context", "1e12"], 2,
          "argument --context: must be <= 16777216, got 1e12"),
         (["--slo-tpot-ms", "50", "--devices", "4", "--context", "inf"], 2, "--context"),
+        # --batches 1000000000 printed TPOTs of 7.9e7 ms in a table whose columns ran together
+        (["--slo-tpot-ms", "50", "--devices", "4", "--batches", "8", "1000000000"], 2,
+         "argument --batches: must be <= 8192, got 1000000000"),
     ],
 )
 def test_plan_cli_bad_inputs(argv: list[str], code: int, field: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -124,3 +133,11 @@ def test_plan_cli_recommends_for_the_h200_json(capsys: pytest.CaptureFixture[str
     assert main(["plan", "--profile", str(GPU_JSON), "--slo-tpot-ms", "50", "--devices", "8", "--top", "3"]) == 0
     out = capsys.readouterr().out
     assert "recommended: " in out and "colocated, as profiled" in out
+
+
+def test_profile_cli_bounds_its_batches(capsys: pytest.CaptureFixture[str]) -> None:
+    """Refused before any engine starts (vLLM would have been sized for 10^9 sequences)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["profile", "--tiny", "llama", "--batches", "1", "1000000000"])
+    assert exit_info.value.code == 2
+    assert "argument --batches: must be <= 8192, got 1000000000" in capsys.readouterr().err
