@@ -11,7 +11,9 @@ Detection, whichever comes first:
 A rank removed while its process still lives (e.g. it was stopped, then continued)
 is fenced: the coordinator answers its next report with `fenced`, and the rank stops
 its loop and fails Serve's health check, so Serve replaces it; the replacement is
-what the re-formed layout waits for. It never serves again, under any epoch.
+what the re-formed layout waits for. It never serves again, under any epoch; a
+restarted coordinator keeps the fence: the rank rejoins with a layout older than the
+rejoined one and is GONE there too (`Registry.rejoin_ffn`).
 
 Recovery, under the layout lock (no resize interleaves):
 1. the lost ranks are GONE and leave the layout at once, so no new attention rank is

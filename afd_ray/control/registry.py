@@ -100,7 +100,12 @@ class Registry:
     def rejoin_ffn(self, member: FFNMember, ep_size: int) -> None:
         """A running FFN rank re-registers after a coordinator restart with its record
         (`epoch` and `ep_rank` of the layout it serves). Once `ep_size` ranks of the
-        newest layout epoch rejoined, they are the layout again."""
+        newest layout epoch rejoined, they are the layout again.
+
+        The fence survives the restart: a rank that serves a layout older than the one
+        rejoined, and is not in it, was removed from the layout (found dead) by the
+        coordinator before its restart, so it is GONE here (fenced at its next
+        report), whether it rejoins before or after that layout is complete."""
         self.ffn[member.rank] = member
         self.epoch = max(self.epoch, member.epoch)
         self._formed = True
@@ -110,6 +115,11 @@ class Registry:
         if len(layout) == ep_size and newest >= self.layout_epoch:
             self.layout, self.layout_epoch = tuple(m.rank for m in layout), newest
             logger.info("FFN layout of epoch %d rejoined: EP ranks %s", newest, self.layout)
+        for stale in (m for m in serving if m.epoch < self.layout_epoch and m.rank not in self.layout):
+            self.update_ffn(stale.rank, state=MemberState.GONE, ep_rank=None)
+            logger.warning("FFN rank %d rejoined with the layout of epoch %d, older than the layout of epoch %d "
+                           "without it: it was removed, it stays fenced", stale.rank, stale.epoch,
+                           self.layout_epoch)  # fmt: skip
 
     def rejoin_attention(self, member: AttentionMember) -> None:
         """A running attention rank re-registers after a coordinator restart."""

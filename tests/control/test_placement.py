@@ -207,6 +207,26 @@ def test_registry_rebuilds_the_layout_from_rejoining_members() -> None:
     assert registry.layout == (2, 3)  # a registering rank never re-forms a first layout
 
 
+def test_a_restarted_coordinator_keeps_a_fence() -> None:
+    """EP2 layout of epoch 4 = FFN ranks 0 and 2: rank 1 (EP rank 1 of the layout of
+    epoch 3) was found dead while its process was stopped, and rank 2 replaced it.
+    The coordinator restarts before rank 1 runs again and learns it was fenced. When
+    rank 1 rejoins with its old record, after or before the layout of epoch 4 is
+    complete, it is GONE (its next report is answered `fenced`), not READY: on the
+    old registry it rejoined as a live rank and `/afd/status` showed two EP ranks 1."""
+    address = FFNAddress("h", 1, 2)
+    fenced = FFNMember(rank=1, address=address, state=READY, epoch=3, ep_rank=1)
+    layout = [FFNMember(rank=0, address=address, state=READY, epoch=4, ep_rank=0),
+              FFNMember(rank=2, address=address, state=READY, epoch=4, ep_rank=1)]  # fmt: skip
+    for order in ([*layout, fenced], [fenced, *layout], [layout[0], fenced, layout[1]]):
+        registry = Registry("gloo", 5.0, 2)
+        for member in order:
+            registry.rejoin_ffn(member, ep_size=2)
+        assert (registry.layout, registry.layout_epoch) == ((0, 2), 4), order
+        assert registry.ffn[1].state is GONE and registry.ffn[1].ep_rank is None, order
+        assert [(m.rank, m.ep_rank) for m in registry.listed_ffn() if m.state is READY] == [(0, 0), (2, 1)]
+
+
 def test_recovery_finds_dead_ranks() -> None:
     from afd_ray.config import AutoscaleConfig
     from afd_ray.control.recovery import Recovery
