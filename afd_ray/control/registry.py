@@ -76,6 +76,11 @@ class Registry:
         went (`retire_gone_ffn`). `/afd/status` no longer lists them (`recoveries` and
         `resizes` keep the history); their records stay, so that a late report of one
         is still fenced and its rank id is never reused."""
+        self.retired_attention: set[int] = set()
+        """GONE attention ranks (left, or their replica vanished) once the attention
+        pool had its target READY ranks again (`retire_gone_attention`): not listed any
+        more; their records stay, so that a late poll of one still reads GONE (it never
+        rejoins) and its id is never reused."""
         self._formed = False
         """A first layout formed, or members rejoined (a restarted coordinator):
         registering ranks no longer form the first layout."""
@@ -161,6 +166,17 @@ class Registry:
         serve it and no plan is pending (else nothing changes)."""
         if self.plan is None and len(self.layout) >= target:
             self.retired.update(r for r, m in self.ffn.items() if m.state is MemberState.GONE)
+
+    def retire_gone_attention(self, target: int) -> None:
+        """Retire every GONE attention rank once `target` attention ranks are READY
+        (else nothing changes)."""
+        if sum(m.state is MemberState.READY for m in self.attention.values()) >= target:
+            self.retired_attention.update(r for r, m in self.attention.items() if m.state is MemberState.GONE)
+
+    def listed_attention(self) -> list[AttentionMember]:
+        """The attention members `/afd/status` lists, by rank: all but the retired
+        ones (a GONE rank stays listed until the pool has its READY ranks again)."""
+        return [m for r, m in sorted(self.attention.items()) if r not in self.retired_attention]
 
     def listed_ffn(self) -> list[FFNMember]:
         """The FFN members `/afd/status` lists, by rank: all but the retired ones (a

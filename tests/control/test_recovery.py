@@ -135,3 +135,38 @@ def test_a_failed_recovery_is_retried_until_the_layout_is_whole() -> None:
     assert event.attempts >= 2 and event.epoch == registry.layout_epoch > 0, event
     assert registry.plan is None and registry.ffn[1].state is MemberState.READY
     assert [m.rank for m in registry.listed_ffn()] == [1]  # the lost rank is retired once whole again
+
+
+def test_gone_attention_ranks_leave_the_listing_once_the_pool_is_whole() -> None:
+    """2A: attention rank 0's replica vanishes (SIGKILL): it is GONE and still listed
+    (its FFN peer drops it), until Serve's replacement is READY; then `/afd/status`
+    no longer lists it, and its record stays GONE (a late poll never rejoins it).
+    Before, every GONE attention rank was listed for ever."""
+    cfg = AFDConfig.model_validate({"attention": {"num_ranks": 2}})
+    registry = Registry("gloo", cfg.connector.timeout_s, 1)
+    registry.add_ffn(FFNAddress("127.0.0.1", 1, 2), replica="ffn#0")
+    serve = _Serve(**{"a#0": "RUNNING", "a#1": "RUNNING"})
+    for replica in ("a#0", "a#1"):
+        registry.set_attention(registry.add_attention(replica).rank, MemberState.READY)
+    resizer = Resizer(registry, "afd", cfg.attention, cfg.ffn, cfg.autoscale, replicas=serve)
+
+    def listed() -> list[tuple[int, MemberState]]:
+        return [(m.rank, m.state) for m in registry.listed_attention()]
+
+    async def run() -> None:
+        watch = asyncio.create_task(resizer.watch_replicas())
+        try:
+            del serve.states["a#0"]  # SIGKILL
+            await _until(lambda: registry.attention[0].state is MemberState.GONE, 10)
+            await asyncio.sleep(1.0)  # two more watch periods: not whole, so still listed
+            assert listed() == [(0, MemberState.GONE), (1, MemberState.READY)]
+            assert registry.ffn_directive(0, 0).dead_peers == [0]
+            replacement = registry.add_attention("a#2").rank
+            serve.states["a#2"] = "RUNNING"
+            registry.set_attention(replacement, MemberState.READY)
+            await _until(lambda: listed() == [(1, MemberState.READY), (2, MemberState.READY)], 10)
+        finally:
+            watch.cancel()
+
+    asyncio.run(run())
+    assert registry.attention[0].state is MemberState.GONE and registry.add_attention("a#3").rank == 3
