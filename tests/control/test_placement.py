@@ -111,6 +111,18 @@ def test_a_reformed_layout_keeps_the_survivors_ep_ranks() -> None:
     assert reformed_layout((0, 1, 2), (2,), (4,), 3) == (4, 2)  # too few ranks: a smaller layout
 
 
+def test_a_reformed_layout_under_a_smaller_target_keeps_every_live_rank_it_can() -> None:
+    """The FFN target shrank (a scale-in) when a rank of the old layout was lost: the
+    survivors past the new target fill the lost slots, EP ranks 0..n-1. Before, a
+    survivor whose EP rank was not below the target was dropped: the survivor of EP2
+    after losing EP rank 0 with target 1 gave an empty layout (which the recovery
+    then switched to), and losing EP rank 0 of three with target 2 left one rank."""
+    assert reformed_layout((0, 1), (1,), (), 1) == (1,)
+    assert reformed_layout((0, 1, 2), (1, 2), (), 2) == (2, 1)
+    assert reformed_layout((0, 1, 2), (1, 2), (5,), 2) == (2, 1)  # a live rank before a replacement
+    assert reformed_layout((0, 1, 2), (0, 2), (), 2) == (0, 2)  # rank 1 lost: 2 moves to EP rank 1
+
+
 def test_joining_and_live_count() -> None:
     address = FFNAddress("h", 1, 2)
     ffn = {0: FFNMember(rank=0, address=address, state=READY), 1: FFNMember(rank=1, address=address),
