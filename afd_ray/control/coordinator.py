@@ -363,14 +363,15 @@ class Coordinator:
         )  # fmt: skip
 
     async def status(self) -> AFDStatus:
-        """Epoch, every attention rank with its state and FFN peer, the attention
-        replicas still waiting for the FFN layout, the FFN ranks with their state and
-        counters (a GONE one until the layout is whole again), targets, resize and
-        recovery events, autoscaling signals."""
+        """Epoch, the attention ranks with their state and FFN peer (a GONE one until
+        the pool has its READY ranks again), the attention replicas still waiting for
+        the FFN layout, the FFN ranks with their state and counters (a GONE one until
+        the layout is whole again), targets, resize and recovery events, autoscaling
+        signals."""
         registry, targets = self._registry, self._resizer.targets
         return AFDStatus(
             epoch=registry.epoch,
-            attention=[registry.attention[r] for r in sorted(registry.attention)],
+            attention=registry.listed_attention(),
             attention_waiting={replica: time.monotonic() - since for replica, since in self._joining.items()},
             ffn=registry.listed_ffn(),
             target_attention=targets[ATTENTION_DEPLOYMENT],

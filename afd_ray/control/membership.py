@@ -270,8 +270,10 @@ class RecoveryEvent(_Record):
     serving, seconds (None: not whole yet)."""
     bytes_loaded: int = 0
     """Weight bytes the ranks of the recovered layout loaded from the checkpoint."""
+    attempts: int = 0
+    """Attempts to re-form the layout so far (a failed one is retried, `afd_ray.control.recovery`)."""
     error: str | None = None
-    """Why the layout did not recover, if it did not."""
+    """Why the latest attempt failed (None once the layout recovered)."""
 
 
 class AdmissionState(_Record):

@@ -83,10 +83,12 @@ def rebalance_moves(attention: Mapping[int, AttentionMember], ranks: Sequence[in
 
 def reformed_layout(old: Sequence[int], live: Sequence[int], joining: Sequence[int], target: int) -> tuple[int, ...]:
     """The EP order of a layout re-formed after ranks of `old` were lost: every rank
-    of `old` still in `live` keeps its EP rank (so it reloads no expert), the lost
-    slots go to the other ranks of `live`, then to `joining`, in order, and the
-    layout is filled up to `target` ranks (fewer when too few ranks are left)."""
-    spare = iter([*(r for r in live if r not in old), *joining])
+    of `old` still in `live` keeps its EP rank below `target` (so it reloads no
+    expert); the lost slots go to the other ranks of `live` (first those of `old`
+    past `target`, when the target shrank meanwhile), then to `joining`, in order,
+    and the layout is filled up to `target` ranks. With too few ranks left the
+    layout is smaller and its EP ranks close up (0..n-1)."""
+    spare = iter([*(r for r in old[target:] if r in live), *(r for r in live if r not in old), *joining])
     slots = [r if r in live else next(spare, None) for r in old[:target]]
     slots += [r for r in spare][: target - len(slots)]
     return tuple(r for r in slots if r is not None)

@@ -11,7 +11,9 @@ Detection, whichever comes first:
 A rank removed while its process still lives (e.g. it was stopped, then continued)
 is fenced: the coordinator answers its next report with `fenced`, and the rank stops
 its loop and fails Serve's health check, so Serve replaces it; the replacement is
-what the re-formed layout waits for. It never serves again, under any epoch.
+what the re-formed layout waits for. It never serves again, under any epoch; a
+restarted coordinator keeps the fence: the rank rejoins with a layout older than the
+rejoined one and is GONE there too (`Registry.rejoin_ffn`).
 
 Recovery, under the layout lock (no resize interleaves):
 1. the lost ranks are GONE and leave the layout at once, so no new attention rank is
@@ -30,6 +32,11 @@ Recovery, under the layout lock (no resize interleaves):
 4. the lost ranks are retired: `/afd/status` lists them (GONE) only until the
    layout is whole again; `recoveries` keeps each loss.
 
+A recovery that fails (e.g. no replacement registered within the bound, or each one
+died too) is retried, from step 2 with the layout the loss broke, after
+`min(RETRY_S, wait_s)`, until the layout is whole again: its event carries the error
+of the latest attempt and the number of attempts meanwhile.
+
 The FFN side holds no request state, so nothing but time is lost on the FFN side.
 """
 
@@ -38,7 +45,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from afd_ray.control.membership import LoopState, MemberState, RecoveryEvent
 from afd_ray.control.placement import joining, rebalance_moves, reformed_layout
@@ -46,9 +54,24 @@ from afd_ray.control.registry import Plan, Registry
 from afd_ray.control.resize import FFN_DEPLOYMENT, WATCH_PERIOD_S, Resizer
 from afd_ray.control.serve_api import replica_states
 
-__all__ = ["Recovery"]
+__all__ = ["RETRY_S", "Recovery"]
 
 logger = logging.getLogger("ray.serve")
+
+RETRY_S = 5.0
+"""Longest wait before a failed recovery is tried again, seconds (`wait_s` when shorter)."""
+
+
+@dataclass(frozen=True)
+class _Loss:
+    """A loss the layout has not recovered from yet."""
+
+    before: tuple[int, ...]
+    """The layout it broke, in EP order (its live ranks keep their EP ranks)."""
+    event: int
+    """Its index in `Recovery.events`."""
+    detected: float
+    """When it was found, `time.monotonic()` seconds."""
 
 
 class Recovery:
@@ -59,15 +82,18 @@ class Recovery:
         resizer: holds the FFN target and the layout lock, counts loaded bytes.
         app: the Serve application's name.
         heartbeat_timeout_s: an FFN rank silent this long is dead, seconds.
-        wait_s: bound on one recovery (replacements started, layout switched), seconds.
+        wait_s: bound on one recovery attempt (replacements started, layout switched), seconds.
         clock: the monotonic clock that times reports, seconds.
+        replicas: Serve's replica states of a deployment of an app, by replica id.
     """
 
     def __init__(
         self, registry: Registry, resizer: Resizer, app: str, heartbeat_timeout_s: float, wait_s: float,
         clock: Callable[[], float] = time.monotonic,
+        replicas: Callable[[str, str], Awaitable[dict[str, str]]] = replica_states,
     ) -> None:  # fmt: skip
         self._clock = clock
+        self._replicas = replicas
         self._registry = registry
         self._resizer = resizer
         self._app = app
@@ -78,8 +104,15 @@ class Recovery:
         self._stopped: dict[int, str] = {}
         """FFN ranks that reported their loop stopped, and why."""
         self.events: list[RecoveryEvent] = []
-        self.recovering = False
         self._bytes = 0
+        self._unrecovered: _Loss | None = None
+        """The loss being recovered from, or whose recovery failed (retried from `_retry_at` on)."""
+        self._retry_at = 0.0
+
+    @property
+    def recovering(self) -> bool:
+        """Lost FFN ranks are not replaced yet: a recovery runs, or one failed and is retried."""
+        return self._unrecovered is not None
 
     def heard(self, rank: int, loop: LoopState) -> None:
         """FFN rank `rank` reported what its FFN loop does (`LoopState.STOPPED`: it ended)."""
@@ -109,17 +142,18 @@ class Recovery:
 
     async def _states(self) -> dict[str, str] | None:
         try:
-            return await replica_states(self._app, FFN_DEPLOYMENT)
+            return await self._replicas(self._app, FFN_DEPLOYMENT)
         except Exception:
             logger.debug("replica states unavailable", exc_info=True)
             return None
 
     async def watch(self) -> None:
-        """Forever: every `WATCH_PERIOD_S`, find dead FFN ranks and recover from them."""
+        """Forever: every `WATCH_PERIOD_S`, find dead FFN ranks and recover from them,
+        or retry a failed recovery once due."""
         while True:
             await asyncio.sleep(WATCH_PERIOD_S)
             dead = self.dead(await self._states())
-            if dead:
+            if dead or (self._unrecovered is not None and time.monotonic() >= self._retry_at):
                 try:
                     await self._recover(dead)
                 except Exception:
@@ -152,43 +186,51 @@ class Recovery:
         registry.layout = tuple(r for r in registry.layout if r not in dead)
 
     async def _recover(self, dead: dict[int, str]) -> None:
+        """Take the `dead` ranks out and re-form the layout (again, for a loss not
+        recovered from yet); with no loss pending, dead ranks outside the layout (not
+        joined yet) are only retired."""
         registry = self._registry
         async with self._resizer.layout_lock:
             lost = sorted(r for r in dead if r in registry.layout or (registry.plan and r in registry.plan.ranks))
-            before = registry.layout
-            first = min(dead)
-            since = self._clock() - self._last_report.get(first, self._clock())
+            loss, before = self._unrecovered, registry.layout
+            if loss is None and lost:
+                first = lost[0]
+                since = self._clock() - self._last_report.get(first, self._clock())
+                event = RecoveryEvent(lost=lost, cause=dead[first], detected_s=time.time(), since_report_s=since)
+                loss = _Loss(before, len(self.events), time.monotonic())
+                self.events.append(event)
+                self._bytes = 0
             self._remove(dead)
             await registry.notify()
-            if not lost:  # a rank that had not joined a layout yet: Serve replaces it
+            if loss is None:  # a rank that had not joined a layout yet: Serve replaces it
                 registry.retire_gone_ffn(self._resizer.targets[FFN_DEPLOYMENT])
                 return
-            event = RecoveryEvent(lost=lost, cause=dead[first], detected_s=time.time(), since_report_s=since)
-            index = len(self.events)
-            self.events.append(event)
-            self.recovering, self._bytes = True, 0
-            started = time.monotonic()
+            event = self.events[loss.event]
+            event = event.model_copy(update={"lost": sorted({*event.lost, *lost}), "attempts": event.attempts + 1})
+            self._unrecovered = loss
             try:
-                plan = await asyncio.wait_for(self._reform(before), self._wait_s)
+                plan = await asyncio.wait_for(self._reform(loss.before), self._wait_s)
                 moves = rebalance_moves(registry.attention, plan.ranks)
                 for rank, peer in moves:
                     registry.repeer(rank, peer)
-                if len(before) > 1:  # the surviving EP ranks dropped their attention pairs too
+                if len(loss.before) > 1:  # the surviving EP ranks dropped their attention pairs too
                     moved = {rank for rank, _ in moves}
                     for rank, member in sorted(registry.attention.items()):
-                        if member.state is MemberState.READY and rank not in moved and member.ffn_peer in before:
+                        if member.state is MemberState.READY and rank not in moved and member.ffn_peer in loss.before:
                             registry.repeer(rank, member.ffn_peer)
                 await registry.notify()
                 registry.retire_gone_ffn(self._resizer.targets[FFN_DEPLOYMENT])
-                update = {"epoch": plan.epoch, "whole_s": time.monotonic() - started, "bytes_loaded": self._bytes}
+                self._unrecovered = None
+                update = {"epoch": plan.epoch, "whole_s": time.monotonic() - loss.detected, "bytes_loaded": self._bytes,
+                          "error": None}  # fmt: skip
                 logger.info("FFN layout recovered: EP ranks %s (epoch %d) %.1f s after losing %s", plan.ranks,
-                            plan.epoch, update["whole_s"], lost)  # fmt: skip
+                            plan.epoch, update["whole_s"], event.lost)  # fmt: skip
             except Exception as exc:
+                registry.plan = None  # the plan this attempt published, if any: no rank prepares it any more
+                self._retry_at = time.monotonic() + min(RETRY_S, self._wait_s)
                 update = {"error": f"{type(exc).__name__}: {exc}"}
-                logger.exception("FFN recovery of %s failed", lost)
-            finally:
-                self.recovering = False
-            self.events[index] = event.model_copy(update=update)
+                logger.exception("FFN recovery of %s failed (attempt %d); it is retried", event.lost, event.attempts)
+            self.events[loss.event] = event.model_copy(update=update)
 
     async def _reform(self, before: tuple[int, ...]) -> Plan:
         """Form the layout from the live ranks and the replacements, under a new epoch;

@@ -76,6 +76,11 @@ class Registry:
         went (`retire_gone_ffn`). `/afd/status` no longer lists them (`recoveries` and
         `resizes` keep the history); their records stay, so that a late report of one
         is still fenced and its rank id is never reused."""
+        self.retired_attention: set[int] = set()
+        """GONE attention ranks (left, or their replica vanished) once the attention
+        pool had its target READY ranks again (`retire_gone_attention`): not listed any
+        more; their records stay, so that a late poll of one still reads GONE (it never
+        rejoins) and its id is never reused."""
         self._formed = False
         """A first layout formed, or members rejoined (a restarted coordinator):
         registering ranks no longer form the first layout."""
@@ -100,7 +105,12 @@ class Registry:
     def rejoin_ffn(self, member: FFNMember, ep_size: int) -> None:
         """A running FFN rank re-registers after a coordinator restart with its record
         (`epoch` and `ep_rank` of the layout it serves). Once `ep_size` ranks of the
-        newest layout epoch rejoined, they are the layout again."""
+        newest layout epoch rejoined, they are the layout again.
+
+        The fence survives the restart: a rank that serves a layout older than the one
+        rejoined, and is not in it, was removed from the layout (found dead) by the
+        coordinator before its restart, so it is GONE here (fenced at its next
+        report), whether it rejoins before or after that layout is complete."""
         self.ffn[member.rank] = member
         self.epoch = max(self.epoch, member.epoch)
         self._formed = True
@@ -110,6 +120,11 @@ class Registry:
         if len(layout) == ep_size and newest >= self.layout_epoch:
             self.layout, self.layout_epoch = tuple(m.rank for m in layout), newest
             logger.info("FFN layout of epoch %d rejoined: EP ranks %s", newest, self.layout)
+        for stale in (m for m in serving if m.epoch < self.layout_epoch and m.rank not in self.layout):
+            self.update_ffn(stale.rank, state=MemberState.GONE, ep_rank=None)
+            logger.warning("FFN rank %d rejoined with the layout of epoch %d, older than the layout of epoch %d "
+                           "without it: it was removed, it stays fenced", stale.rank, stale.epoch,
+                           self.layout_epoch)  # fmt: skip
 
     def rejoin_attention(self, member: AttentionMember) -> None:
         """A running attention rank re-registers after a coordinator restart."""
@@ -151,6 +166,17 @@ class Registry:
         serve it and no plan is pending (else nothing changes)."""
         if self.plan is None and len(self.layout) >= target:
             self.retired.update(r for r, m in self.ffn.items() if m.state is MemberState.GONE)
+
+    def retire_gone_attention(self, target: int) -> None:
+        """Retire every GONE attention rank once `target` attention ranks are READY
+        (else nothing changes)."""
+        if sum(m.state is MemberState.READY for m in self.attention.values()) >= target:
+            self.retired_attention.update(r for r, m in self.attention.items() if m.state is MemberState.GONE)
+
+    def listed_attention(self) -> list[AttentionMember]:
+        """The attention members `/afd/status` lists, by rank: all but the retired
+        ones (a GONE rank stays listed until the pool has its READY ranks again)."""
+        return [m for r, m in sorted(self.attention.items()) if r not in self.retired_attention]
 
     def listed_ffn(self) -> list[FFNMember]:
         """The FFN members `/afd/status` lists, by rank: all but the retired ones (a

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
 from afd_ray.config import AttentionPoolConfig, AutoscaleConfig, FFNPoolConfig
 from afd_ray.control.membership import MemberState, ResizeEvent, ScaleRequest
@@ -53,6 +54,7 @@ class Resizer:
         app: the Serve application's name.
         attention, ffn: pool sizes at start and resize bounds.
         autoscale: drain and resize timeouts.
+        replicas: Serve's replica states of a deployment of an app, by replica id.
     """
 
     def __init__(
@@ -62,8 +64,10 @@ class Resizer:
         attention: AttentionPoolConfig,
         ffn: FFNPoolConfig,
         autoscale: AutoscaleConfig,
+        replicas: Callable[[str, str], Awaitable[dict[str, str]]] = replica_states,
     ) -> None:
         self._registry = registry
+        self._replicas = replicas
         self._app = app
         self._attention_pool, self._ffn_pool = attention, ffn
         self._timeout_s = autoscale.resize_timeout_s
@@ -217,7 +221,7 @@ class Resizer:
             TimeoutError: not within `wait_s` seconds.
         """
         deadline = time.monotonic() + wait_s
-        while list((await replica_states(self._app, deployment)).values()) != ["RUNNING"] * num_replicas:
+        while list((await self._replicas(self._app, deployment)).values()) != ["RUNNING"] * num_replicas:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"Serve did not run {num_replicas} {deployment} replicas within {wait_s} s")
             await asyncio.sleep(WATCH_PERIOD_S / 2)
@@ -233,12 +237,13 @@ class Resizer:
 
     async def watch_replicas(self) -> None:
         """Forever: mark attention ranks DRAINING when Serve stops their replica, GONE
-        when the replica vanished without leaving (it died or was killed)."""
+        when the replica vanished without leaving (it died or was killed); retire the
+        GONE ones once the pool has its target READY ranks again."""
         registry = self._registry
         while True:
             await asyncio.sleep(WATCH_PERIOD_S)
             try:
-                states = await replica_states(self._app, ATTENTION_DEPLOYMENT)
+                states = await self._replicas(self._app, ATTENTION_DEPLOYMENT)
             except Exception:
                 logger.debug("replica states unavailable", exc_info=True)
                 continue
@@ -252,3 +257,4 @@ class Resizer:
                     registry.vanished.add(member.rank)
                     registry.set_attention(member.rank, MemberState.GONE)
                     await registry.notify()
+            registry.retire_gone_attention(self.targets[ATTENTION_DEPLOYMENT])

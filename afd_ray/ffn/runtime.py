@@ -203,7 +203,10 @@ class FFNRuntime:
         """When the EP group failed (`time.monotonic()`); None while it serves."""
 
     def run(self) -> None:
-        """Serve headers until `stop()`; then close the channel (same thread).
+        """Serve headers until `stop()`; then close the channel and the EP groups (the
+        serving one and a prepared one), so that the other EP ranks' collectives fail
+        at once instead of waiting out their timeout for a rank that is gone (same
+        thread).
 
         Raises:
             RuntimeError: the EP group failed and no new layout was handed over within
@@ -249,6 +252,21 @@ class FFNRuntime:
                     self._count_split()  # a timed step's events completed meanwhile
         finally:
             self.channel.close()
+            self._close_groups()
+
+    def _close_groups(self) -> None:
+        """Shut down the serving EP group and a prepared one, if any, and drop every
+        reference to them: a gloo group closes its connections (the other ranks'
+        collectives fail with "connection closed") only once it is destroyed;
+        `shutdown()` alone leaves them waiting out the timeout."""
+        prepared = self._pending.ep if self._pending is not None else None
+        for ep in (self.ep, prepared):
+            if ep is not None:
+                try:
+                    ep.group.shutdown()
+                except RuntimeError:
+                    logger.debug("shutting down an EP group raised", exc_info=True)
+        self.ep, self._pending, self._compute = None, None, None  # FFNGraphs holds the serving group too
 
     def _ep_step(
         self, steps: list[StepHeader], arrived: dict[int, float], first_layer: int, ready: bool

@@ -111,6 +111,18 @@ def test_a_reformed_layout_keeps_the_survivors_ep_ranks() -> None:
     assert reformed_layout((0, 1, 2), (2,), (4,), 3) == (4, 2)  # too few ranks: a smaller layout
 
 
+def test_a_reformed_layout_under_a_smaller_target_keeps_every_live_rank_it_can() -> None:
+    """The FFN target shrank (a scale-in) when a rank of the old layout was lost: the
+    survivors past the new target fill the lost slots, EP ranks 0..n-1. Before, a
+    survivor whose EP rank was not below the target was dropped: the survivor of EP2
+    after losing EP rank 0 with target 1 gave an empty layout (which the recovery
+    then switched to), and losing EP rank 0 of three with target 2 left one rank."""
+    assert reformed_layout((0, 1), (1,), (), 1) == (1,)
+    assert reformed_layout((0, 1, 2), (1, 2), (), 2) == (2, 1)
+    assert reformed_layout((0, 1, 2), (1, 2), (5,), 2) == (2, 1)  # a live rank before a replacement
+    assert reformed_layout((0, 1, 2), (0, 2), (), 2) == (0, 2)  # rank 1 lost: 2 moves to EP rank 1
+
+
 def test_joining_and_live_count() -> None:
     address = FFNAddress("h", 1, 2)
     ffn = {0: FFNMember(rank=0, address=address, state=READY), 1: FFNMember(rank=1, address=address),
@@ -205,6 +217,26 @@ def test_registry_rebuilds_the_layout_from_rejoining_members() -> None:
     assert registry.epoch == 6 and registry.add_attention("r").rank == 6
     assert registry.add_ffn(address) == 4
     assert registry.layout == (2, 3)  # a registering rank never re-forms a first layout
+
+
+def test_a_restarted_coordinator_keeps_a_fence() -> None:
+    """EP2 layout of epoch 4 = FFN ranks 0 and 2: rank 1 (EP rank 1 of the layout of
+    epoch 3) was found dead while its process was stopped, and rank 2 replaced it.
+    The coordinator restarts before rank 1 runs again and learns it was fenced. When
+    rank 1 rejoins with its old record, after or before the layout of epoch 4 is
+    complete, it is GONE (its next report is answered `fenced`), not READY: on the
+    old registry it rejoined as a live rank and `/afd/status` showed two EP ranks 1."""
+    address = FFNAddress("h", 1, 2)
+    fenced = FFNMember(rank=1, address=address, state=READY, epoch=3, ep_rank=1)
+    layout = [FFNMember(rank=0, address=address, state=READY, epoch=4, ep_rank=0),
+              FFNMember(rank=2, address=address, state=READY, epoch=4, ep_rank=1)]  # fmt: skip
+    for order in ([*layout, fenced], [fenced, *layout], [layout[0], fenced, layout[1]]):
+        registry = Registry("gloo", 5.0, 2)
+        for member in order:
+            registry.rejoin_ffn(member, ep_size=2)
+        assert (registry.layout, registry.layout_epoch) == ((0, 2), 4), order
+        assert registry.ffn[1].state is GONE and registry.ffn[1].ep_rank is None, order
+        assert [(m.rank, m.ep_rank) for m in registry.listed_ffn() if m.state is READY] == [(0, 0), (2, 1)]
 
 
 def test_recovery_finds_dead_ranks() -> None:
