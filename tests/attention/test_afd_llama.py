@@ -10,12 +10,14 @@ config override of `auto` is checked in `tests/connector/test_link.py`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import gc
 
 import httpx
 import pytest
+import torch
 from ray import serve
 from vllm import LLM, SamplingParams
+from vllm.distributed import cleanup_dist_env_and_memory
 
 from afd_ray.config import ModelConfig
 from afd_ray.models.embedded import resolve_checkpoint
@@ -31,18 +33,33 @@ MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def plain_vllm(args: dict[str, object]) -> Iterator[LLM]:
-    """vLLM without AFD on the application's checkpoint, float32, eager."""
+def plain_tokens(args: dict[str, object]) -> list[list[int]]:
+    """Greedy ids of vLLM without AFD for each of `PROMPTS` (one at a time) on the
+    application's checkpoint, float32, eager. The engine runs in this process
+    (`VLLM_ENABLE_V1_MULTIPROCESSING=0`: no EngineCore child to start, which re-imported
+    vLLM beside the session's application) and is shut down before the tests."""
     model = ModelConfig.model_validate(args["model"])
-    llm = LLM(
-        str(resolve_checkpoint(model)),
-        dtype="float32",
-        enforce_eager=True,
-        max_model_len=model.max_model_len,
-        kv_cache_memory_bytes=1 << 30,
-    )
-    yield llm
-    llm.llm_engine.engine_core.shutdown()
+    threads = torch.get_num_threads()  # the vLLM CPU worker lowers it in-process
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        llm = LLM(
+            str(resolve_checkpoint(model)),
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=model.max_model_len,
+            kv_cache_memory_bytes=1 << 30,
+        )
+        greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+        try:
+            outputs = [llm.generate([prompt], greedy, use_tqdm=False)[0] for prompt in PROMPTS]
+            tokens = [list(out.outputs[0].token_ids) for out in outputs]
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+            gc.collect()
+            cleanup_dist_env_and_memory()
+    torch.set_num_threads(threads)
+    return tokens
 
 
 def _afd_token_ids(client: httpx.Client, prompt: str, route: str = "") -> list[int]:
@@ -55,11 +72,8 @@ def _afd_token_ids(client: httpx.Client, prompt: str, route: str = "") -> list[i
     return response.json()["choices"][0]["token_ids"]
 
 
-def test_greedy_tokens_equal_plain_vllm_in_float32(client: httpx.Client, plain_vllm: LLM) -> None:
-    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
-    for prompt in PROMPTS:
-        (reference,) = plain_vllm.generate([prompt], greedy, use_tqdm=False)
-        expected = list(reference.outputs[0].token_ids)
+def test_greedy_tokens_equal_plain_vllm_in_float32(client: httpx.Client, plain_tokens: list[list[int]]) -> None:
+    for prompt, expected in zip(PROMPTS, plain_tokens, strict=True):
         assert len(expected) == MAX_TOKENS or expected[-1] in (0, 1, 2)
         assert _afd_token_ids(client, prompt) == expected, prompt
 

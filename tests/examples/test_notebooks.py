@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import nbformat
@@ -78,25 +79,35 @@ def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny("qwen3_moe", tmp_path_factory.mktemp("tiny") / "qwen3_moe-seed0")
 
 
-@pytest.fixture(scope="module")
-def app_url(serve_url: str, tiny_moe: Path) -> Iterator[str]:
-    """A tiny Qwen3-MoE app, 1A:1F, at `/notebooks` on the session's Serve instance."""
+@contextmanager
+def _app(serve_url: str, tiny_moe: Path) -> Iterator[str]:
+    """A tiny Qwen3-MoE app, 1A:1F, at `/notebooks` on the session's Serve instance,
+    deleted on exit."""
     cfg = AFDConfig(
         model=ModelConfig(source=str(tiny_moe), served_name="tiny-moe", max_model_len=512),
         attention=AttentionPoolConfig(bundle_resources=0.5, kv_cache_gib=0.25, max_num_seqs=8),
         ffn=FFNPoolConfig(bundle_resources=0.5),
     )
     serve.run(build_app(cfg.model_dump()), name=APP, route_prefix=f"/{APP}")
-    yield f"{serve_url}/{APP}"
-    serve.delete(APP)
+    try:
+        yield f"{serve_url}/{APP}"
+    finally:
+        serve.delete(APP)
 
 
 @pytest.fixture(scope="module")
-def sweep_json(app_url: str, ray_dashboard: str, tiny_moe: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Runs the three notebooks in order; returns notebook 02's sweep result."""
+def sweep_json(serve_url: str, ray_dashboard: str, tiny_moe: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Runs the three notebooks; returns notebook 02's sweep result.
+
+    01 and 03 run against the `_app`, which is deleted before 02's sweep: its idle
+    replicas (coordinator, FFN rank and ingress loops) would otherwise share the 2 CI
+    cores with the layouts the sweep deploys and measures."""
     out = tmp_path_factory.mktemp("notebooks")
     _wait_for_jobs_api(ray_dashboard)
-    _run("01_quickstart", {"APP_URL": app_url}, EXAMPLES)
+    with _app(serve_url, tiny_moe) as app_url:
+        _run("01_quickstart", {"APP_URL": app_url}, EXAMPLES)
+        _run("03_autoscale_tuning", {"APP_URL": app_url, "RECORD_S": 8, "OUT_DIR": str(out / "tuning")}, EXAMPLES)
+    assert (out / "tuning" / "shipped.png").stat().st_size > 0 and (out / "tuning" / "eager.png").stat().st_size > 0
     sweep = out / "sweep.json"
     _run(
         "02_af_sweep",
@@ -109,8 +120,6 @@ def sweep_json(app_url: str, ray_dashboard: str, tiny_moe: Path, tmp_path_factor
         },
         EXAMPLES,
     )
-    _run("03_autoscale_tuning", {"APP_URL": app_url, "RECORD_S": 8, "OUT_DIR": str(out / "tuning")}, EXAMPLES)
-    assert (out / "tuning" / "shipped.png").stat().st_size > 0 and (out / "tuning" / "eager.png").stat().st_size > 0
     return sweep
 
 
