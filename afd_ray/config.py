@@ -18,7 +18,6 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from afd_ray.connector.link import TransportChoice, check_transport
-from afd_ray.connector.shm import SPIN_MAX_US
 from afd_ray.platform import collective_backend
 
 __all__ = [
@@ -265,14 +264,6 @@ class ConnectorConfig(_Section):
     """Data plane of each attention↔FFN pair (`afd_ray.connector.link`). `auto`:
     `shm` when both run on one Ray node, else `gloo` (CPU); `nccl` (CUDA); `hccl`
     (NPU). A fixed value must carry the platform's tensors (`shm`/`gloo` on CPU)."""
-
-    spin_us: int = Field(0, ge=0, le=SPIN_MAX_US)
-    """With the `shm` transport, how long each A2F/F2A wait polls for the other
-    side's message before it sleeps in the kernel, microseconds; both sides of a
-    pair use their FFN rank's value (`afd_ray.connector.shm`). 0 (the default):
-    sleep at once. A spinning wait keeps its core busy for up to this long, which on
-    a machine with few cores is taken from the other role and the serving front.
-    At most `SPIN_MAX_US` (10 ms)."""
 
 
 class IngressConfig(_Section):

@@ -67,7 +67,6 @@ _FLAG_TYPES: dict[str, dict[str, object]] = {
     "transport": {"choices": ("auto", "shm", "gloo", "cuda_ipc")},
     "transport_microbench": {"action": argparse.BooleanOptionalAction},
     "batch_window_us": {"type": int},
-    "spin_us": {"type": int},
     "seed": {"type": int},
     "checkpoints": {"type": Path},
     "slo_ttft_ms": {"type": float},

@@ -14,7 +14,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from afd_ray.config import BATCH_WINDOW_MAX_US, ConnectorConfig, DType
 from afd_ray.connector.link import TransportChoice, check_transport
-from afd_ray.connector.shm import SPIN_MAX_US
 from afd_ray.models import Family
 from afd_ray.models.shapes import Shape
 from afd_ray.platform import collective_backend
@@ -199,11 +198,6 @@ class BenchConfig(BaseModel):
     """`ConnectorConfig.batch_window_us` of the AFD runs: how long an FFN rank waits
     for its other attention peers' step headers, microseconds; at most 100000
     (`afd_ray.config.BATCH_WINDOW_MAX_US`)."""
-
-    spin_us: int = Field(ConnectorConfig().spin_us, ge=0, le=SPIN_MAX_US)
-    """`ConnectorConfig.spin_us` of the AFD runs and of the transport microbenchmark:
-    how long an `shm` wait polls before it sleeps, microseconds; at most 10000
-    (`afd_ray.connector.shm.SPIN_MAX_US`)."""
 
     transport_microbench: bool = True
     """Also measure the A2F+F2A round trip per layer of every CPU transport

@@ -123,7 +123,7 @@ def _app_config(cfg: BenchConfig, family: str, checkpoint: Path, topology: Topol
         )
         if topology.ffn
         else FFNPoolConfig(),
-        connector=ConnectorConfig(transport=cfg.transport, batch_window_us=cfg.batch_window_us, spin_us=cfg.spin_us),
+        connector=ConnectorConfig(transport=cfg.transport, batch_window_us=cfg.batch_window_us),
         ingress=IngressConfig(max_ongoing_requests=ongoing),
         observability=ObservabilityConfig()
         if topology.observability
@@ -320,7 +320,7 @@ def run_benchmark(cfg: BenchConfig, base_url: str, progress: Callable[[str], Non
     transport = None
     if cfg.transport_microbench and cfg.platform == "cpu":
         progress("afd_ray.bench: transport round trips ...")
-        transport = TransportResult.model_validate(run_transport_microbench(spin_us=cfg.spin_us))
+        transport = TransportResult.model_validate(run_transport_microbench())
     runs = []
     cases = len(cfg.families) * len(cfg.topologies)
     # A bar on a terminal only (tqdm's disable=None), and only for more than one layout.

@@ -184,9 +184,6 @@ class TransportResult(_Record):
     threads_per_side: int
     compute: bool
     """Whole layers with SmolLM2-sized compute on both sides, not bare round trips."""
-    spin_us: int = 0
-    """`connector.spin_us` of both sides of the `shm` pairs (0 in files written
-    before the setting existed)."""
     omp_wait_policy: str
     """`OMP_WAIT_POLICY` of both processes ("" when unset)."""
     cpu: str

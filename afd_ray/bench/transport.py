@@ -37,12 +37,12 @@ CPU_TRANSPORTS: tuple[Transport, ...] = ("shm", "gloo")
 _TIMEOUT_S = 60.0
 
 
-def _ffn(queue: mp.Queue, hidden_size: int, layers: int, threads: int, compute: bool, spin_us: int) -> None:
+def _ffn(queue: mp.Queue, hidden_size: int, layers: int, threads: int, compute: bool) -> None:
     """FFN process: admit each peer, answer every layer of every step (its input, or
     with `compute` a SmolLM2-sized gated MLP of it), until idle."""
     torch.set_num_threads(threads)
     mlp = _mlp(hidden_size) if compute else None
-    channel = FFNChannel("127.0.0.1", "gloo", _TIMEOUT_S, spin_us=spin_us)
+    channel = FFNChannel("127.0.0.1", "gloo", _TIMEOUT_S)
     queue.put(channel.address)
     buffers: dict[int, torch.Tensor] = {}
     while (header := channel.recv_header(_TIMEOUT_S)) is not None:
@@ -119,17 +119,15 @@ def run(
     steps: int = 50,
     threads: int = 1,
     compute: bool = False,
-    spin_us: int = 0,
 ) -> dict[str, object]:
     """Round trip per layer (µs) for each transport and token count; `hidden_size`
     and `layers` default to SmolLM2-135M's (H = 576, 30 layers). `threads`: torch
     threads of each side; `compute`: time whole layers with compute on both sides
-    (see `measure`), to compare one thread each against all cores each; `spin_us`:
-    the FFN process's `connector.spin_us`, which both sides of an `shm` pair use."""
+    (see `measure`), to compare one thread each against all cores each."""
     torch.set_num_threads(threads)
     context = mp.get_context("spawn")
     queue = context.Queue()
-    ffn = context.Process(target=_ffn, args=(queue, hidden_size, layers, threads, compute, spin_us), daemon=True)
+    ffn = context.Process(target=_ffn, args=(queue, hidden_size, layers, threads, compute), daemon=True)
     ffn.start()
     try:
         address = queue.get(timeout=_TIMEOUT_S)
@@ -155,7 +153,6 @@ def run(
         "steps": steps,
         "threads_per_side": threads,
         "compute": compute,
-        "spin_us": spin_us,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
         "cpu": platform.processor() or platform.machine(),
         "cores": os.cpu_count(),
@@ -169,12 +166,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--threads", type=int, default=1, help="torch threads of each side")
     parser.add_argument("--compute", action="store_true", help="SmolLM2-sized compute on both sides per layer")
-    parser.add_argument("--spin-us", type=int, default=0, help="connector.spin_us of both sides (shm waits)")
-    parser.add_argument("--transports", nargs="+", choices=CPU_TRANSPORTS, default=CPU_TRANSPORTS)
     args = parser.parse_args()
-    result = run(
-        tuple(args.transports), steps=args.steps, threads=args.threads, compute=args.compute, spin_us=args.spin_us
-    )
+    result = run(steps=args.steps, threads=args.threads, compute=args.compute)
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(format_table(result))
@@ -190,8 +183,7 @@ def format_table(result: dict[str, object]) -> str:
         lines.append(f"| {transport} | " + " | ".join(f"{row[t]:.0f} ({cpu[t]:.0f})" for t in counts) + " |")
     return "\n".join(lines) + (
         f"\n(per layer, µs, H={result['hidden_size']} float32: wall (attention-side CPU); "
-        f"compute={result['compute']}, {result['threads_per_side']} thread(s) per side, "
-        f"spin_us={result['spin_us']})"
+        f"compute={result['compute']}, {result['threads_per_side']} thread(s) per side)"
     )
 
 

@@ -13,9 +13,7 @@ on it with a poll timeout, so an idle FFN rank never blocks in a collective and
 Data plane: each attention↔FFN pair rendezvouses through the FFN rank's `TCPStore`
 under the prefix `afd/pair/<peer>/<epoch>`, where the attention side first writes its
 transport. `shm` (same host): shared-memory slots and a Unix-socket wake-up
-(`afd_ray.connector.shm`); both of its sides spin for the FFN rank's `spin_us`,
-which the FFN publishes in its store (key `afd/spin_us`) and the attention side
-reads there when it opens the pair. `gloo`/`nccl`/`hccl`: a 2-rank stateless process group
+(`afd_ray.connector.shm`). `gloo`/`nccl`/`hccl`: a 2-rank stateless process group
 (FFN rank 0, attention rank 1) from `new_process_group`. It carries only tensors, in
 the order fixed by the header: for each FFN layer, A2F then F2A.
 
@@ -73,7 +71,7 @@ from afd_ray.connector.header import HeaderKind, StepHeader
 from afd_ray.connector.link import PeerLostError, Pending, Transport, check_transport, contiguous
 from afd_ray.connector.process_group import new_process_group
 from afd_ray.connector.cuda_ipc import CudaIpcPair, open_cuda_ipc_pair
-from afd_ray.connector.shm import ShmPair, check_spin_us, open_shm_pair
+from afd_ray.connector.shm import ShmPair, open_shm_pair
 
 __all__ = ["AttentionChannel", "FFNAddress", "FFNChannel"]
 
@@ -86,9 +84,6 @@ _A2F_TAGS = (1, 3, 4)
 _F2A_TAGS = (2,)
 _TRANSPORT_KEY = "transport"
 """Pair-store key under which the attention side announces its transport."""
-_SPIN_KEY = "afd/spin_us"
-"""Store key under which an FFN rank publishes its `spin_us`, which both sides of
-each of its `shm` pairs use."""
 
 Side = Literal["attention", "ffn"]
 
@@ -160,20 +155,18 @@ class _GroupPair:
 
 
 def _open_pair(
-    transport: str, store: dist.Store, side: Side, peer: int, timeout_s: float, ubatches: int, spin_us: int
+    transport: str, store: dist.Store, side: Side, peer: int, timeout_s: float, ubatches: int
 ) -> ShmPair | CudaIpcPair | _GroupPair:
     """One side of a pair's data plane; blocks until the other side opened its own.
-    `spin_us`: this side's spin before a wait sleeps (`shm` only).
 
     Raises:
         PeerLostError: the rendezvous failed or timed out.
-        ValueError: unknown or unimplemented transport, `ubatches` < 1, or `spin_us`
-            outside `[0, SPIN_MAX_US]`.
+        ValueError: unknown or unimplemented transport, or `ubatches` < 1.
     """
     if ubatches < 1:
         raise ValueError(f"ubatch_groups must be >= 1, got {ubatches}")
     if transport == "shm":
-        return open_shm_pair(side, store, peer, ubatches, timeout_s, spin_us=spin_us)
+        return open_shm_pair(side, store, peer, ubatches, timeout_s)
     if transport == "cuda_ipc":
         try:
             return open_cuda_ipc_pair(side, store, peer, ubatches, timeout_s)
@@ -234,11 +227,10 @@ class AttentionChannel:
         try:
             pair = _pair_store(self._store, peer, epoch)
             pair.set(_TRANSPORT_KEY, transport)
-            spin_us = int(self._store.get(_SPIN_KEY))
             self._push.setsockopt(zmq.LINGER, 0)
             self._push.connect(f"tcp://{address.host}:{address.control_port}")
             self._push.send(StepHeader(HeaderKind.JOIN, peer, epoch).pack())
-            self._data = _open_pair(transport, pair, "attention", peer, timeout_s, ubatch_groups, spin_us)
+            self._data = _open_pair(transport, pair, "attention", peer, timeout_s, ubatch_groups)
         except BaseException:  # the pair never opened: release what was opened for it
             self._push.close(linger=0)
             self._zmq.term()
@@ -316,32 +308,25 @@ class FFNChannel:
         ubatch_groups: data planes per peer, one per micro-batch (DBO); each
             attention peer must open as many.
         node: this rank's Ray node id, published in `address`.
-        spin_us: with `shm` pairs, how long each wait for the other side's message
-            polls before it sleeps, microseconds (`connector.spin_us`), on both
-            sides: the attention side reads it from this rank's store when it opens
-            its pair.
 
     Raises:
-        ValueError: `ubatch_groups` < 1, or `spin_us` outside `[0, SPIN_MAX_US]`.
+        ValueError: `ubatch_groups` < 1.
     """
 
     def __init__(
         self, host: str, backend: str, timeout_s: float, epoch: int = 0, ubatch_groups: int = 1,
-        node: str = "", spin_us: int = 0,
+        node: str = "",
     ) -> None:
         if ubatch_groups < 1:
             raise ValueError(f"ubatch_groups must be >= 1, got {ubatch_groups}")
-        check_spin_us(spin_us)
         self.epoch = epoch
         self._ubatch_groups = ubatch_groups
         self._backend = backend
         self._timeout_s = timeout_s
-        self._spin_us = spin_us
         self._store = dist.TCPStore(
             host, 0, is_master=True, wait_for_workers=False,
             timeout=timedelta(seconds=timeout_s),
         )
-        self._store.set(_SPIN_KEY, str(spin_us))
         self._zmq = zmq.Context()
         self._pull = self._zmq.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
@@ -397,9 +382,7 @@ class FFNChannel:
             except RuntimeError as exc:
                 raise PeerLostError(peer, f"no transport announced ({exc})") from exc
             check_transport(transport, self._backend)
-            self._pairs[peer] = _open_pair(
-                transport, pair, "ffn", peer, self._timeout_s, self._ubatch_groups, self._spin_us
-            )
+            self._pairs[peer] = _open_pair(transport, pair, "ffn", peer, self._timeout_s, self._ubatch_groups)
         except (PeerLostError, ValueError):
             del self._peer_epochs[peer]
             raise

@@ -13,11 +13,7 @@ copy of the payload.
 
 Wake-up: one connected Unix stream socket per micro-batch. A message is one byte
 (`M`) sent after the slot was written; the receiver blocks in `recv` on it (the
-kernel wakes it, no TCP). With `spin_us` > 0 the receiver first polls the socket
-without sleeping (`poll` with a zero timeout, in a loop) for up to `spin_us`
-microseconds and blocks only if nothing came by then: a waiter that is still
-running when the byte arrives skips the kernel's wake-up of a sleeping process, at
-the price of a core busy for up to `spin_us` per wait. A message larger than a slot goes in
+kernel wakes it, no spinning and no TCP). A message larger than a slot goes in
 slot-sized chunks, each but the last acknowledged by one byte (`A`) back. Because a
 side sends on a ubatch only after it received the other direction's previous message
 (the contract's alternation, `afd_ray.connector.link`), one byte stream per ubatch
@@ -27,19 +23,15 @@ processes (both are syscalls).
 
 Failure: the socket is the pair's liveness. A peer that dies or closes closes its
 end, so a blocked `recv` returns at once (`PeerLostError`); every wait is bounded by
-`timeout_s` (socket timeout) plus the spin; `close()` shuts the socket down, which
-wakes a wait in another thread at once. The spin ends on any event of the socket
-(data, end of file, error, a closed descriptor), so the blocking `recv` after it
-sees what ended it.
+`timeout_s` (socket timeout); `close()` shuts the socket down, which wakes a wait in
+another thread at once.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import select
 import socket
-import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Literal
@@ -49,15 +41,12 @@ import torch.distributed as dist
 
 from afd_ray.connector.link import PeerLostError, contiguous
 
-__all__ = ["SLOT_BYTES", "SPIN_MAX_US", "ShmPair", "check_spin_us", "open_shm_pair"]
+__all__ = ["SLOT_BYTES", "ShmPair", "open_shm_pair"]
 
 SLOT_BYTES = 8 << 20
 """Bytes of one slot (one direction of one ubatch): `[T, H]` float32 rows up to
 T*H*4 <= 8 MiB go in one message (T = 3640 at H = 576), larger ones in chunks. The
 file's pages are allocated only when touched."""
-SPIN_MAX_US = 10_000
-"""Upper bound of `spin_us` (10 ms): longer than one layer's compute of the models
-this transport serves on CPU; a wait longer than that is better spent asleep."""
 _MSG = b"M"
 _ACK = b"A"
 _SOCKET_KEY = "shm/socket"
@@ -95,21 +84,13 @@ class ShmPair:
         slot_bytes: bytes of one slot.
         peer: attention rank id of the pair (for errors).
         timeout_s: bound on every wait, seconds.
-        spin_us: how long a wait polls its socket before it sleeps in `recv`,
-            microseconds (0: sleeps at once; at most `SPIN_MAX_US`).
     """
 
     def __init__(
         self, side: Side, socks: list[socket.socket], region: torch.Tensor, slot_bytes: int,
-        peer: int, timeout_s: float, spin_us: int = 0,
+        peer: int, timeout_s: float,
     ) -> None:
         self._socks = socks
-        self._spin_s = spin_us / 1e6
-        self._pollers = []
-        for sock in socks:
-            poller = select.poll()
-            poller.register(sock, select.POLLIN)
-            self._pollers.append(poller)
         self._peer = peer
         slots = region.view(len(socks), 2, slot_bytes)  # [U, direction (A2F, F2A), bytes]
         send, recv = (0, 1) if side == "attention" else (1, 0)
@@ -124,9 +105,10 @@ class ShmPair:
         """Copy `tensors` (contiguous, any dtype) into this side's slot of `ubatch`
         and wake the peer; done on return (chunks wait for the peer's acks)."""
         contiguous(tensors)
-        for data, room in _pieces(tensors, self._send[ubatch], lambda: self._hand_over(ubatch, _MSG, _ACK)):
+        sock = self._socks[ubatch]
+        for data, room in _pieces(tensors, self._send[ubatch], lambda: self._hand_over(sock, _MSG, _ACK)):
             room.copy_(data)
-        self._signal(self._socks[ubatch], _MSG)
+        self._signal(sock, _MSG)
         return _Done()
 
     def recv(self, outs: Sequence[torch.Tensor], ubatch: int) -> _Receive:
@@ -138,8 +120,8 @@ class ShmPair:
     def recv_now(self, outs: Sequence[torch.Tensor], ubatch: int) -> None:
         """Block until `ubatch`'s next message arrived and copy it into `outs`."""
         sock = self._socks[ubatch]
-        self._expect(ubatch, _MSG)
-        for data, room in _pieces(outs, self._recv[ubatch], lambda: self._hand_over(ubatch, _ACK, _MSG)):
+        self._expect(sock, _MSG)
+        for data, room in _pieces(outs, self._recv[ubatch], lambda: self._hand_over(sock, _ACK, _MSG)):
             data.copy_(room)
 
     def exchange(self, sends: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], ubatch: int) -> None:
@@ -147,11 +129,11 @@ class ShmPair:
         self.send(sends, ubatch)
         self.recv_now(outs, ubatch)
 
-    def _hand_over(self, ubatch: int, sent: bytes, expected: bytes) -> None:
-        """The slot of `ubatch` is full: send `sent` (`M`: a chunk is ready; `A`: it
-        was read), then wait for the peer's `expected` answer."""
-        self._signal(self._socks[ubatch], sent)
-        self._expect(ubatch, expected)
+    def _hand_over(self, sock: socket.socket, sent: bytes, expected: bytes) -> None:
+        """The slot is full: send `sent` (`M`: a chunk is ready; `A`: it was read),
+        then wait for the peer's `expected` answer."""
+        self._signal(sock, sent)
+        self._expect(sock, expected)
 
     def _signal(self, sock: socket.socket, byte: bytes) -> None:
         try:
@@ -159,31 +141,18 @@ class ShmPair:
         except OSError as exc:
             raise PeerLostError(self._peer, f"shm wake-up not sent ({exc})") from exc
 
-    def _expect(self, ubatch: int, byte: bytes) -> None:
-        """Wait for the next byte on `ubatch`'s socket (spin, then sleep) and check
-        that it is `byte`."""
-        sock = self._socks[ubatch]
-        if self._spin_s > 0:
-            self._spin(self._pollers[ubatch])
+    def _expect(self, sock: socket.socket, byte: bytes) -> None:
         try:
             got = sock.recv(1)
         except TimeoutError as exc:
             raise PeerLostError(self._peer, f"no shm message within {self._timeout_s} s") from exc
-        except OSError as exc:  # after close(): its descriptor is gone
-            reason = "pair closed" if self._closed else f"shm socket failed ({exc})"
-            raise PeerLostError(self._peer, reason) from exc
+        except OSError as exc:
+            raise PeerLostError(self._peer, f"shm socket failed ({exc})") from exc
         if not got:
             reason = "pair closed" if self._closed else "peer closed the pair or died"
             raise PeerLostError(self._peer, reason)
         if got != byte:
             raise PeerLostError(self._peer, f"shm protocol broken: got {got!r}, expected {byte!r}")
-
-    def _spin(self, poller: select.poll) -> None:
-        """Return once `poller`'s socket has an event (data, end of file, error, a
-        closed descriptor) or `spin_us` passed, without sleeping."""
-        deadline = time.perf_counter() + self._spin_s
-        while not poller.poll(0) and time.perf_counter() < deadline:
-            pass
 
     def close(self) -> None:
         """Shut the sockets down (a wait in another thread fails at once) and drop
@@ -227,12 +196,10 @@ def _map(fd: int, nbytes: int) -> torch.Tensor:
 
 
 def open_shm_pair(
-    side: Side, store: dist.Store, peer: int, ubatches: int, timeout_s: float, slot_bytes: int = SLOT_BYTES,
-    spin_us: int = 0,
+    side: Side, store: dist.Store, peer: int, ubatches: int, timeout_s: float, slot_bytes: int = SLOT_BYTES
 ) -> ShmPair:
     """Open one side of a pair's `shm` data plane; blocks until the other side opened
-    its side (bounded by `timeout_s`). `spin_us`: this side's spin before each wait
-    sleeps (`ShmPair`).
+    its side (bounded by `timeout_s`).
 
     The attention side creates the shared file and listens on an abstract Unix
     socket whose name it publishes in `store` (the pair's prefix store); the FFN side
@@ -241,28 +208,20 @@ def open_shm_pair(
 
     Raises:
         PeerLostError: the other side did not connect within `timeout_s`.
-        ValueError: `spin_us` outside `[0, SPIN_MAX_US]`.
     """
-    check_spin_us(spin_us)
     nbytes = ubatches * 2 * slot_bytes
     try:
         if side == "attention":
-            return _open_attention(store, peer, ubatches, timeout_s, slot_bytes, nbytes, spin_us)
-        return _open_ffn(store, peer, ubatches, timeout_s, slot_bytes, nbytes, spin_us)
+            return _open_attention(store, peer, ubatches, timeout_s, slot_bytes, nbytes)
+        return _open_ffn(store, peer, ubatches, timeout_s, slot_bytes, nbytes)
     except (OSError, RuntimeError) as exc:
         if isinstance(exc, PeerLostError):
             raise
         raise PeerLostError(peer, f"shm rendezvous failed ({exc})") from exc
 
 
-def check_spin_us(spin_us: int) -> None:
-    """Raise ValueError unless `0 <= spin_us <= SPIN_MAX_US`, naming the field."""
-    if not 0 <= spin_us <= SPIN_MAX_US:
-        raise ValueError(f"connector.spin_us: {spin_us} is outside [0, {SPIN_MAX_US}]")
-
-
 def _open_attention(
-    store: dist.Store, peer: int, ubatches: int, timeout_s: float, slot_bytes: int, nbytes: int, spin_us: int
+    store: dist.Store, peer: int, ubatches: int, timeout_s: float, slot_bytes: int, nbytes: int
 ) -> ShmPair:
     name = f"\0afd_ray/{os.getpid()}/{uuid.uuid4().hex}"
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
@@ -279,11 +238,11 @@ def _open_attention(
             socket.send_fds(socks[0], [layout], [fd])
         finally:
             os.close(fd)
-    return ShmPair("attention", socks, region, slot_bytes, peer, timeout_s, spin_us)
+    return ShmPair("attention", socks, region, slot_bytes, peer, timeout_s)
 
 
 def _open_ffn(
-    store: dist.Store, peer: int, ubatches: int, timeout_s: float, slot_bytes: int, nbytes: int, spin_us: int
+    store: dist.Store, peer: int, ubatches: int, timeout_s: float, slot_bytes: int, nbytes: int
 ) -> ShmPair:
     store.wait([_SOCKET_KEY])
     name = store.get(_SOCKET_KEY).decode()
@@ -300,4 +259,4 @@ def _open_ffn(
         region = _map(fds[0], nbytes)
     finally:
         os.close(fds[0])
-    return ShmPair("ffn", socks, region, slot_bytes, peer, timeout_s, spin_us)
+    return ShmPair("ffn", socks, region, slot_bytes, peer, timeout_s)

@@ -101,7 +101,7 @@ class FFNServer:
         device = torch_device(platform)
         channel = FFNChannel(
             connector.host or ray.util.get_node_ip_address(), collective_backend(platform), connector.timeout_s,
-            node=ray.get_runtime_context().get_node_id(), spin_us=connector.spin_us,
+            node=ray.get_runtime_context().get_node_id(),
         )
         self._coordinator = coordinator
         self._load = (resolve_checkpoint(model), dtype, device, gate_placement == "gate_on_attention")

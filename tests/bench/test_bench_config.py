@@ -120,21 +120,6 @@ def test_batch_window_over_its_bound_exits_2_naming_the_flag(capsys: pytest.Capt
     assert "--batch-window-us: Input should be less than or equal to 100000 (got 3000000)" in capsys.readouterr().err
 
 
-def test_spin_reaches_the_afd_runs_connector_and_its_bound_exits_2(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    from afd_ray.bench.runner import _app_config
-    from afd_ray.models.shapes import build_shape
-
-    cfg = BenchConfig(topologies=("1A1F",), spin_us=2000)
-    app = _app_config(cfg, "deepseek-v2-lite", build_shape("deepseek-v2-lite", tmp_path / "shape"), cfg.topologies[0])
-    assert app.connector.spin_us == 2000
-    with pytest.raises(SystemExit) as exit_info:
-        main(["--spin-us", "20000"])
-    assert exit_info.value.code == 2
-    assert "--spin-us: Input should be less than or equal to 10000 (got 20000)" in capsys.readouterr().err
-
-
 def test_prompt_and_output_over_the_context_exit_2_before_any_deployment(capsys: pytest.CaptureFixture[str]) -> None:
     """`--prompt-tokens 4096` with the default context of 512 was found only by the
     engine, request by request, after the first layout was deployed."""
