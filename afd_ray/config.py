@@ -37,6 +37,8 @@ __all__ = [
 Platform = Literal["cpu", "cuda", "npu"]
 GatePlacement = Literal["gate_on_ffn", "gate_on_attention"]
 DType = Literal["float32", "bfloat16", "float16"]
+CudaGraphMode = Literal["piecewise", "full_decode"]
+"""`AttentionPoolConfig.cudagraph_mode` (`afd_ray.attention.engine.afd_compilation_config`)."""
 EMBEDDED_MODELS = ("smollm2", "smollm2-moe")
 
 
@@ -146,6 +148,15 @@ class AttentionPoolConfig(_Section):
 
     enforce_eager: bool = True
     """Skip torch.compile / CUDA graphs in the attention engine (fast start)."""
+
+    cudagraph_mode: CudaGraphMode = "piecewise"
+    """CUDA only, without `enforce_eager`: how vLLM's CUDA graphs hold the FFN exchange.
+    `piecewise`: graphs split at the FFN boundary ops, whose exchange runs eagerly
+    between captured pieces. `full_decode`: decode batches replay one graph of the
+    whole forward pass, exchange included (device-side signals only), and the STEP
+    header is sent on the host before each replay; prefill and mixed batches stay
+    piecewise. `afd_ray.attention.engine.afd_compilation_config` gives the details,
+    including failure semantics."""
 
     num_threads: int = Field(1, ge=1)
     """Torch/OpenMP threads of the engine worker process."""

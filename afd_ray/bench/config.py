@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from afd_ray.config import BATCH_WINDOW_MAX_US, ConnectorConfig, DType
+from afd_ray.config import BATCH_WINDOW_MAX_US, ConnectorConfig, CudaGraphMode, DType
 from afd_ray.connector.link import TransportChoice, check_transport
 from afd_ray.models import Family
 from afd_ray.models.shapes import Shape
@@ -29,7 +29,7 @@ Serve replica in a placement group of its own, and a layout is deployed whole; 2
 is past any machine this bench runs on (a CPU host, an 8-GPU node), and keeps a typo
 such as `--attention 1-100000000` a usage error rather than a sweep of 10^8 layouts."""
 
-_TOPOLOGY = re.compile(r"(\d+)A(\d+)F(-dbo)?(-bare)?", re.IGNORECASE)
+_TOPOLOGY = re.compile(r"(\d+)A(\d+)F(-dbo)?(-bare)?(-full)?", re.IGNORECASE)
 
 
 class Topology(BaseModel):
@@ -40,10 +40,12 @@ class Topology(BaseModel):
     same run as without `-dbo`; with F >= 2 on an MoE family, EP runs each step as one
     ubatch too); with `-bare`, AFD without metrics and step records
     (`observability.metrics` off, `observability.step_records` 0), to measure their
-    cost in the same run.
+    cost in the same run; with `-full` (CUDA graphs on), the attention engines capture
+    whole decode steps (`attention.cudagraph_mode: full_decode`) instead of piecewise
+    graphs.
 
-    Parses from its label, so `"plain"`, `"1A1F"`, `"2a2f"`, `"2A1F-dbo"` and
-    `"1A1F-bare"` are valid inputs.
+    Parses from its label, so `"plain"`, `"1A1F"`, `"2a2f"`, `"2A1F-dbo"`,
+    `"1A1F-bare"` and `"1A1F-full"` are valid inputs.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
@@ -56,6 +58,8 @@ class Topology(BaseModel):
     """`FFNPoolConfig.ubatches`: 2 with `-dbo`."""
     observability: bool = True
     """AFD with metrics and step records (the default), or without (`-bare`)."""
+    cudagraph_mode: CudaGraphMode = "piecewise"
+    """`AttentionPoolConfig.cudagraph_mode`: `full_decode` with `-full`."""
 
     @model_validator(mode="before")
     @classmethod
@@ -67,14 +71,17 @@ class Topology(BaseModel):
         match = _TOPOLOGY.fullmatch(data)
         if match is None:
             raise ValueError(
-                f"topology {data!r}: expected 'plain' or '<A>A<F>F[-dbo][-bare]' with F >= 1 (e.g. 2A2F, 2A1F-dbo, "
-                "1A1F-bare)"
+                f"topology {data!r}: expected 'plain' or '<A>A<F>F[-dbo][-bare][-full]' with F >= 1 (e.g. 2A2F, "
+                "2A1F-dbo, 1A1F-bare, 1A1F-full)"
             )
         attention, ffn = int(match[1]), int(match[2])
         for name, count in (("attention ranks A", attention), ("FFN ranks F", ffn)):
             if not 1 <= count <= MAX_RANKS:
                 raise ValueError(f"topology {data!r}: {name} must be from 1 to {MAX_RANKS}, got {count}")
-        return {"attention": attention, "ffn": ffn, "ubatches": 2 if match[3] else 1, "observability": match[4] is None}
+        return {
+            "attention": attention, "ffn": ffn, "ubatches": 2 if match[3] else 1, "observability": match[4] is None,
+            "cudagraph_mode": "full_decode" if match[5] else "piecewise",
+        }
 
     @model_validator(mode="after")
     def _dbo_needs_two_peers(self) -> Topology:
@@ -87,12 +94,12 @@ class Topology(BaseModel):
 
     @property
     def label(self) -> str:
-        """`plain` or `<A>A<F>F[-dbo][-bare]`."""
+        """`plain` or `<A>A<F>F[-dbo][-bare][-full]`."""
         if self.ffn == 0:
             return "plain"
         return f"{self.attention}A{self.ffn}F" + ("-dbo" if self.ubatches > 1 else "") + (
             "" if self.observability else "-bare"
-        )
+        ) + ("-full" if self.cudagraph_mode == "full_decode" else "")
 
 
 def _default_checkpoints() -> Path:

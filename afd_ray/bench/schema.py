@@ -127,8 +127,8 @@ class RunResult(_Record):
     family: str
     topology: Topology
     label: str
-    """`Topology.label`: `plain` or `<A>A<F>F`, with `-dbo` (two FFN ubatches) and `-bare`
-    (no metrics or step records)."""
+    """`Topology.label`: `plain` or `<A>A<F>F`, with `-dbo` (two FFN ubatches), `-bare`
+    (no metrics or step records) and `-full` (whole decode steps in CUDA graphs)."""
     concurrency: int
     """Concurrent request streams of this load (one value of `config.concurrency`)."""
     threads: int
