@@ -37,8 +37,8 @@ PADDED = 8
 
 
 def test_full_decode_captures_whole_decode_steps_split_at_the_ffn_ops() -> None:
-    full = afd_compilation_config(AttentionPoolConfig(enforce_eager=False, cudagraph_mode="full_decode"))
-    piecewise = afd_compilation_config(AttentionPoolConfig(enforce_eager=False))
+    full = afd_compilation_config(AttentionPoolConfig(enforce_eager=False))  # the default mode
+    piecewise = afd_compilation_config(AttentionPoolConfig(enforce_eager=False, cudagraph_mode="piecewise"))
     assert (str(full.cudagraph_mode), str(piecewise.cudagraph_mode)) == ("FULL_AND_PIECEWISE", "PIECEWISE")
     assert set(SPLITTING_OPS) <= set(full.splitting_ops) and full.splitting_ops == piecewise.splitting_ops
 
@@ -48,7 +48,7 @@ def test_the_v2_runner_is_asked_for_only_where_graphs_are_captured() -> None:
     for attention in (
         AttentionPoolConfig(enforce_eager=False, cudagraph_mode="full_decode"),
         AttentionPoolConfig(cudagraph_mode="full_decode"),
-        AttentionPoolConfig(enforce_eager=False),
+        AttentionPoolConfig(enforce_eager=False, cudagraph_mode="piecewise"),
     ):
         assert "VLLM_USE_V2_MODEL_RUNNER" not in engine_env(attention), attention
 
