@@ -101,6 +101,7 @@ class FFNClient:
         self._start_s = 0.0
         self._requests: tuple[str, ...] = ()
         self._exchange_s = 0.0
+        self._replayed = False
         self.resumes = 0
         """Forward passes continued on a new FFN peer after the old one died."""
         self.replays = 0
@@ -113,6 +114,7 @@ class FFNClient:
         if _steps.capacity > 0:
             self._record()
             self._start_s, self._requests, self._exchange_s = time.time(), tuple(_batch()), 0.0
+            self._replayed = replayed
         self._header = self.link.send_header(num_tokens)
         self._step_tokens = num_tokens
 
@@ -178,7 +180,7 @@ class FFNClient:
         if header is not None:
             _steps.append(AttentionStep(
                 header.peer, header.epoch, header.step_id, self._start_s, header.num_tokens, self._exchange_s,
-                self._requests,
+                self._requests, self._replayed,
             ))  # fmt: skip
 
     def _resume(

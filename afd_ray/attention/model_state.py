@@ -13,6 +13,8 @@ for `input_batch.num_tokens_after_padding` rows: the graph's size, which is what
 captured exchanges send. Graph capture calls `prepare_attn` with NONE
 (`cudagraph_utils.prepare_inputs_to_capture`) and announces nothing; the capture's
 own forward pass skips its header too (`afd_ray.attention.ffn_op.begin_ffn_step`).
+vLLM 0.32's own micro-batching (`vllm.v1.worker.gpu.ubatch_utils`) would call
+`prepare_attn` once per ubatch; AFD engines do not turn it on.
 
 vLLM 0.26 runs MoE architectures outside its own list on its V1 runner, which has no
 such hook; `afd_ray.attention.engine.engine_env` therefore selects the V2 runner in

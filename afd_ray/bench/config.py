@@ -79,9 +79,10 @@ class Topology(BaseModel):
         for name, count in (("attention ranks A", attention), ("FFN ranks F", ffn)):
             if not 1 <= count <= MAX_RANKS:
                 raise ValueError(f"topology {data!r}: {name} must be from 1 to {MAX_RANKS}, got {count}")
+        graphs = {} if match[5] is None else {"cudagraph_mode": match[5][1:].lower().replace("full", "full_decode")}
         return {
             "attention": attention, "ffn": ffn, "ubatches": 2 if match[3] else 1, "observability": match[4] is None,
-            **({"cudagraph_mode": "piecewise" if match[5].lower() == "-piecewise" else "full_decode"} if match[5] else {}),
+            **graphs,
         }
 
     @model_validator(mode="after")

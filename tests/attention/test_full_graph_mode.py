@@ -8,8 +8,8 @@ CUDA graphs; `tests/gpu/test_serve_one_gpu.py` runs the mode on a GPU against pl
 - A replayed step, as a real FFN runtime over `shm` sees it: the STEP header from the
   runner's hook (`announce_replay`, the graph's padded T), then only the data-plane
   exchanges the captured graph holds, with no `begin_ffn_step` and no per-layer call
-  of `FFNClient`: the FFN answers every layer, and the step's record keeps its header
-  and `exchange_s` 0.
+  of `FFNClient`: the FFN answers every layer, and the step's record keeps its header,
+  `exchange_s` 0 and `replayed`.
 """
 
 from __future__ import annotations
@@ -90,4 +90,5 @@ def test_a_replay_is_announced_once_and_served_from_data_plane_calls_alone(llama
     assert client.replays == 2
     first, second = take_steps()
     assert (first.num_tokens, second.num_tokens, first.exchange_s, second.exchange_s) == (PADDED, PADDED, 0.0, 0.0)
+    assert first.replayed and second.replayed
     assert second.step_id == first.step_id + 1

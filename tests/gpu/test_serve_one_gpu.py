@@ -159,7 +159,8 @@ def test_afd_on_one_gpu_equals_plain_vllm(serve_url: str, family: str, mode: str
     diffs = [abs(a - b) for g, e in zip(got_logprobs, expected_logprobs, strict=True) if len(g) == len(e)
              for a, b in zip(g, e, strict=True)]
     record = {
-        "family": family, "eager": eager, "mode": mode, "graph_replays": replays, "dbo": dbo, "dtype": dtype, "equal_positions": equal, "positions": positions,
+        "family": family, "eager": eager, "mode": mode, "graph_replays": replays, "dbo": dbo, "dtype": dtype,
+        "equal_positions": equal, "positions": positions,
         "all_equal": got == expected, "prompt_logprob_max_abs_diff": max(diffs) if diffs else None,
         "app_start_s": started_s, "graphs_captured": graphs, "gpu": torch.cuda.get_device_name(0),
         "plain_full_vs_piecewise_equal": None if full is None else sum(
