@@ -37,6 +37,8 @@ __all__ = [
 Platform = Literal["cpu", "cuda", "npu"]
 GatePlacement = Literal["gate_on_ffn", "gate_on_attention"]
 DType = Literal["float32", "bfloat16", "float16"]
+CudaGraphMode = Literal["piecewise", "full_decode"]
+"""`AttentionPoolConfig.cudagraph_mode` (`afd_ray.attention.engine.afd_compilation_config`)."""
 EMBEDDED_MODELS = ("smollm2", "smollm2-moe")
 
 
@@ -146,6 +148,17 @@ class AttentionPoolConfig(_Section):
 
     enforce_eager: bool = True
     """Skip torch.compile / CUDA graphs in the attention engine (fast start)."""
+
+    cudagraph_mode: CudaGraphMode = "full_decode"
+    """CUDA only, without `enforce_eager`: how vLLM's CUDA graphs hold the FFN exchange.
+    `full_decode` (default): decode batches replay one graph of the whole forward
+    pass, exchange included (device-side signals only), and the STEP header is sent on
+    the host before each replay; prefill and mixed batches run piecewise. `piecewise`:
+    graphs split at the FFN boundary ops, whose exchange runs eagerly between captured
+    pieces. `afd_ray.attention.engine.afd_compilation_config` gives the details,
+    including failure semantics. Measured on one H200 (DeepSeek-V2-Lite shape, 1A:1F,
+    benchmarks/results/h200-2026-12-03-full-graphs.json): full_decode 1312 / 2265 /
+    2348 output tok/s at batch 16 / 64 / 256, piecewise 848 / 2160 / 2266."""
 
     num_threads: int = Field(1, ge=1)
     """Torch/OpenMP threads of the engine worker process."""

@@ -54,8 +54,9 @@ def test_values_of_another_type_are_refused_not_converted(args: dict[str, object
         ({"attention": {"kv_cache_gib": float("inf")}}, "attention.kv_cache_gib"),
         ({"ffn": {"placement": {"resources": {"fast": float("inf")}}}}, "ffn.placement.resources.fast"),
         ({"autoscale": {"enabled": True, "policy": ""}}, "autoscale.policy"),
+        ({"attention": {"cudagraph_mode": "full"}}, "attention.cudagraph_mode"),
     ],
-    ids=["inf-timeout", "inf-kv", "inf-resource", "empty-policy"],
+    ids=["inf-timeout", "inf-kv", "inf-resource", "empty-policy", "unknown-graph-mode"],
 )
 def test_values_that_would_fail_only_in_a_replica_are_refused(args: dict[str, object], field: str) -> None:
     """A fresh user's report: `.inf` durations and sizes passed validation and failed

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from vllm.config import CompilationConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.platforms import current_platform
 
 from afd_ray.attention.ffn_op import SPLITTING_OPS
 from afd_ray.attention.plugin import afd_architecture
@@ -32,7 +33,7 @@ def engine_args(
 
     Args:
         model: which model, its dtype and context length (`max_model_len` tokens).
-        attention: batch size, KV-cache budget (GiB) and eager mode of the rank.
+        attention: batch size, KV-cache budget (GiB), eager and CUDA-graph mode of the rank.
         gate_placement: where MoE routing runs; reaches the AFD model class as the
             config attribute `afd_gate_on_attention`.
         checkpoint: a local Hugging Face folder (config.json, safetensors,
@@ -41,8 +42,8 @@ def engine_args(
     Raises:
         ValueError: the checkpoint's architecture has no AFD class (names `model.source`).
 
-    Compilation: `afd_compilation_config` (eager, or vLLM's piecewise CUDA graphs split
-    at the FFN boundary ops).
+    Compilation: `afd_compilation_config` (eager, or vLLM's CUDA graphs split at the
+    FFN boundary ops, with whole decode steps captured in `full_decode` mode).
 
     The KV-cache budget goes through `kv_cache_memory_bytes`, which every vLLM
     platform honours; on CPU it is what `VLLM_CPU_KVCACHE_SPACE` would set, without
@@ -75,17 +76,28 @@ def afd_compilation_config(attention: AttentionPoolConfig) -> CompilationConfig:
     """The compilation settings of an AFD attention rank.
 
     `attention.enforce_eager`: vLLM's defaults (`enforce_eager` turns them off).
-    Otherwise vLLM's torch.compile with piecewise CUDA graphs (`cudagraph_mode:
-    PIECEWISE`) whose splitting ops are vLLM's own (attention) plus the AFD boundary
-    ops (`afd_ray.attention.ffn_op.SPLITTING_OPS`): each layer's A2F/F2A exchange and
-    each forward pass's STEP header run eagerly between captured pieces. vLLM's
-    default mode (FULL_AND_PIECEWISE) would also capture whole decode steps, replaying
-    the exchange without the host-side STEP header the FFN peer waits for.
+    Otherwise vLLM's torch.compile with CUDA graphs whose splitting ops are vLLM's own
+    (attention) plus the AFD boundary ops (`afd_ray.attention.ffn_op.SPLITTING_OPS`),
+    in the mode `attention.cudagraph_mode` names:
+
+    - `piecewise` (vLLM `PIECEWISE`): each layer's A2F/F2A exchange and each forward
+      pass's STEP header run eagerly between captured pieces.
+    - `full_decode` (vLLM `FULL_AND_PIECEWISE`): uniform decode batches replay one
+      graph of the whole forward pass, the exchanges captured in it as device work
+      (`cuda_ipc` copies and signal put/wait); the STEP header of each replay is sent
+      on the host by the model's vLLM `ModelState` (`afd_ray.attention.model_state`),
+      for the graph's padded size. Prefill and mixed batches run piecewise, as above.
+      Failure: a dead FFN peer is found by the device-side wait of the replay, which
+      traps after `connector.timeout_s` and ends the engine's CUDA context; the engine
+      fails and Serve replaces the replica. The in-pass resume on a new FFN peer
+      (`afd_ray.attention.ffn_client`) is not available inside a replay.
+
     On CPU vLLM compiles without graphs and ignores both settings.
     """
     if attention.enforce_eager:
         return CompilationConfig()
-    return CompilationConfig(cudagraph_mode="PIECEWISE", splitting_ops=splitting_ops_with(SPLITTING_OPS))
+    mode = "FULL_AND_PIECEWISE" if attention.cudagraph_mode == "full_decode" else "PIECEWISE"
+    return CompilationConfig(cudagraph_mode=mode, splitting_ops=splitting_ops_with(SPLITTING_OPS))
 
 
 def engine_env(attention: AttentionPoolConfig) -> dict[str, str]:
@@ -110,9 +122,17 @@ def engine_env(attention: AttentionPoolConfig) -> dict[str, str]:
       it imported vLLM again (13-15 s of a rank's start on 2 cores) and relayed every
       step through a message queue.
 
+    - `VLLM_USE_V2_MODEL_RUNNER=1`, on CUDA with graphs in `full_decode` mode only:
+      the host hook that announces whole-step graph replays is a `ModelState`, which
+      only vLLM's model runner V2 has; vLLM 0.26 picks its V1 runner for MoE
+      architectures outside its own list (`VllmConfig._is_default_v2_model_runner_model`),
+      the AFD MoE classes included. (On CPU vLLM captures no graphs, and its V2
+      runner needs Triton.)
+
     `VLLM_CPU_*` variables are read only by the CPU backend.
     """
-    return {
+    full = attention.cudagraph_mode == "full_decode" and not attention.enforce_eager and current_platform.is_cuda()
+    return ({"VLLM_USE_V2_MODEL_RUNNER": "1"} if full else {}) | {
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "OMP_NUM_THREADS": str(attention.num_threads),
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",

@@ -35,7 +35,7 @@ from afd_ray.control.membership import AttentionAssignment
 from afd_ray.observability.steps import AttentionStep, StepRing
 
 __all__ = [
-    "ASSIGNMENT_ENV", "FFNClient", "ffn_client", "record_steps", "repeer_ffn_client", "reset_ffn_client",
+    "ASSIGNMENT_ENV", "FFNClient", "capturing", "ffn_client", "record_steps", "repeer_ffn_client", "reset_ffn_client",
     "take_steps",
 ]
 
@@ -45,12 +45,21 @@ logger = logging.getLogger(__name__)
 
 _client: FFNClient | None = None
 
+_CAPTURABLE = ("cuda_ipc",)
+"""Transports whose exchange is queued on the current CUDA stream with device-side
+waits only, so that a CUDA graph can hold it (`afd_ray.connector.cuda_ipc`)."""
+
 _steps: StepRing[AttentionStep] = StepRing(4096)
 """This process's last attention steps (timing records, `afd_ray.observability.steps`);
 they outlive a re-peering."""
 
 _batch: Callable[[], list[str]] = list
 """The engine request ids of the batch being run (`record_steps`)."""
+
+
+def capturing() -> bool:
+    """Whether this thread's current CUDA stream is capturing a CUDA graph (False without CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def record_steps(capacity: int, request_ids: Callable[[], list[str]]) -> None:
@@ -72,6 +81,15 @@ class FFNClient:
     its first FFN layer; `exchange` then runs one layer's A2F + F2A. Each pass leaves
     an `AttentionStep` in this process's step ring (`take_steps`) once the next one
     begins: its header and the time blocked in `exchange`, summed over layers.
+
+    A whole-step CUDA graph (`attention.cudagraph_mode: full_decode`): while it is
+    captured, `exchange` only queues the link's device work (no header was sent, no
+    time is taken, a lost peer cannot be resumed: the transport must be one whose
+    calls are queued on the stream, `cuda_ipc`); its replays are announced with
+    `begin_step(T, replayed=True)` and run no host code per layer, so their step
+    records have `exchange_s` 0. A dead FFN peer then stops the replay at the
+    transport's device-side wait: `cuda_ipc` traps after `connector.timeout_s`, which
+    ends the engine's CUDA context (the engine fails, Serve replaces the replica).
     """
 
     def __init__(self, assignment: AttentionAssignment) -> None:
@@ -83,14 +101,20 @@ class FFNClient:
         self._start_s = 0.0
         self._requests: tuple[str, ...] = ()
         self._exchange_s = 0.0
+        self._replayed = False
         self.resumes = 0
         """Forward passes continued on a new FFN peer after the old one died."""
+        self.replays = 0
+        """Forward passes announced as whole-step graph replays (`begin_step(replayed=True)`)."""
 
-    def begin_step(self, num_tokens: int) -> None:
-        """Send the STEP header of a forward pass of `num_tokens` rows."""
+    def begin_step(self, num_tokens: int, replayed: bool = False) -> None:
+        """Send the STEP header of a forward pass of `num_tokens` rows; `replayed`: a
+        captured whole-step graph runs it (counted in `replays`)."""
+        self.replays += replayed
         if _steps.capacity > 0:
             self._record()
             self._start_s, self._requests, self._exchange_s = time.time(), tuple(_batch()), 0.0
+            self._replayed = replayed
         self._header = self.link.send_header(num_tokens)
         self._step_tokens = num_tokens
 
@@ -107,9 +131,12 @@ class FFNClient:
         shape and dtype) when given, else into a new tensor.
 
         Raises:
-            ValueError: T differs from the step announced by `begin_step`.
+            ValueError: T differs from the step announced by `begin_step`, or a CUDA
+                graph is captured over a transport that cannot be.
             PeerLostError: the FFN peer is gone.
         """
+        if capturing():
+            return self._captured(hidden, topk, out)
         if hidden.shape[0] != self._step_tokens:
             raise ValueError(
                 f"layer {layer}: {hidden.shape[0]} rows in a step announced with {self._step_tokens}"
@@ -120,6 +147,17 @@ class FFNClient:
         out = self._exchange(hidden, layer, topk, out)
         self._exchange_s += time.perf_counter() - start
         return out
+
+    def _captured(
+        self, hidden: torch.Tensor, topk: tuple[torch.Tensor, torch.Tensor] | None, out: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The exchange of a whole-step graph being captured: the link's device work only."""
+        if self.link.transport not in _CAPTURABLE:
+            raise ValueError(
+                f"attention.cudagraph_mode full_decode needs a transport whose exchange is device work "
+                f"({', '.join(_CAPTURABLE)}); the pair uses {self.link.transport!r} (connector.transport)"
+            )
+        return self.link.exchange(hidden, topk, out)
 
     def _exchange(
         self,
@@ -142,7 +180,7 @@ class FFNClient:
         if header is not None:
             _steps.append(AttentionStep(
                 header.peer, header.epoch, header.step_id, self._start_s, header.num_tokens, self._exchange_s,
-                self._requests,
+                self._requests, self._replayed,
             ))  # fmt: skip
 
     def _resume(

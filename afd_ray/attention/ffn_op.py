@@ -17,16 +17,22 @@ fresh tensor would hand the next piece a new address each step (seen on an H200:
 of 96 tokens equal).
 
 `begin_ffn_step` is a plain call from the causal-LM `forward`, outside vLLM's compiled
-decoder stack, so it runs on every forward pass (eager and piecewise modes).
+decoder stack, so it runs on every forward pass (eager and piecewise modes). A forward
+pass that is being captured into a whole-step CUDA graph (`attention.cudagraph_mode:
+full_decode`) sends no header: capture runs nothing on the device, and each later
+replay is announced by `announce_replay` from vLLM's runner
+(`afd_ray.attention.model_state`). In that graph the ops are device work only: the
+`cuda_ipc` copies and signal put/wait, at the addresses seen at capture (the peer's
+slots, and `out` from the graph's pool).
 """
 
 from __future__ import annotations
 
 import torch
 
-from afd_ray.attention.ffn_client import ffn_client
+from afd_ray.attention.ffn_client import capturing, ffn_client
 
-__all__ = ["SPLITTING_OPS", "begin_ffn_step", "remote_ffn", "remote_moe"]
+__all__ = ["SPLITTING_OPS", "announce_replay", "begin_ffn_step", "remote_ffn", "remote_moe"]
 
 SPLITTING_OPS = ("afd_ray::remote_ffn_out", "afd_ray::remote_moe_out")
 """The FFN boundary ops, by vLLM's `namespace::name`: its piecewise capture splits at them."""
@@ -34,8 +40,17 @@ SPLITTING_OPS = ("afd_ray::remote_ffn_out", "afd_ray::remote_moe_out")
 
 def begin_ffn_step(num_tokens: int) -> None:
     """Announce a forward pass of `num_tokens` rows to the FFN peer (its STEP
-    header); call once per forward pass, before the first decoder layer."""
-    ffn_client().begin_step(num_tokens)
+    header); call once per forward pass, before the first decoder layer. Nothing is
+    sent while the pass is captured into a CUDA graph (`announce_replay` announces
+    its replays)."""
+    if not capturing():
+        ffn_client().begin_step(num_tokens)
+
+
+def announce_replay(num_tokens: int) -> None:
+    """Announce the replay of a captured whole-step graph of `num_tokens` rows (the
+    graph's padded size): its STEP header, sent on the host before the replay."""
+    ffn_client().begin_step(num_tokens, replayed=True)
 
 
 @torch.library.custom_op("afd_ray::remote_ffn_out", mutates_args=("out",))

@@ -353,6 +353,11 @@ class AttentionServer:
         (count,) = await self._engine.collective_rpc("afd_graphs_captured")
         return count
 
+    async def graph_replays(self) -> int:
+        """Forward passes replayed as whole-step CUDA graphs (`AFDWorkerExtension.afd_graph_replays`)."""
+        (count,) = await self._engine.collective_rpc("afd_graph_replays")
+        return count
+
     async def check_health(self) -> None:
         """Serve's periodic health check.
 

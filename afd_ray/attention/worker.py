@@ -45,6 +45,11 @@ class AFDWorkerExtension:
 
         return compilation_counter.num_cudagraph_captured
 
+    def afd_graph_replays(self) -> int:
+        """Forward passes this worker ran as whole-step CUDA-graph replays
+        (`FFNClient.replays`; 0 unless `attention.cudagraph_mode: full_decode`)."""
+        return ffn_client().replays
+
     def afd_connect(self, step_records: int) -> None:
         """Open the pair channel to the FFN peer now (JOIN), not at the first forward
         pass (vLLM's CPU engine runs none at start-up); keep the last `step_records`

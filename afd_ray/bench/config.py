@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from afd_ray.config import BATCH_WINDOW_MAX_US, ConnectorConfig, DType
+from afd_ray.config import BATCH_WINDOW_MAX_US, AttentionPoolConfig, ConnectorConfig, CudaGraphMode, DType
 from afd_ray.connector.link import TransportChoice, check_transport
 from afd_ray.models import Family
 from afd_ray.models.shapes import Shape
@@ -29,7 +29,7 @@ Serve replica in a placement group of its own, and a layout is deployed whole; 2
 is past any machine this bench runs on (a CPU host, an 8-GPU node), and keeps a typo
 such as `--attention 1-100000000` a usage error rather than a sweep of 10^8 layouts."""
 
-_TOPOLOGY = re.compile(r"(\d+)A(\d+)F(-dbo)?(-bare)?", re.IGNORECASE)
+_TOPOLOGY = re.compile(r"(\d+)A(\d+)F(-dbo)?(-bare)?(-full|-piecewise)?", re.IGNORECASE)
 
 
 class Topology(BaseModel):
@@ -40,10 +40,13 @@ class Topology(BaseModel):
     same run as without `-dbo`; with F >= 2 on an MoE family, EP runs each step as one
     ubatch too); with `-bare`, AFD without metrics and step records
     (`observability.metrics` off, `observability.step_records` 0), to measure their
-    cost in the same run.
+    cost in the same run; with CUDA graphs on, the attention engines run the default
+    `attention.cudagraph_mode` (`full_decode`: whole decode steps captured), or
+    piecewise graphs split at the FFN ops with `-piecewise` (`-full` names the
+    default explicitly).
 
-    Parses from its label, so `"plain"`, `"1A1F"`, `"2a2f"`, `"2A1F-dbo"` and
-    `"1A1F-bare"` are valid inputs.
+    Parses from its label, so `"plain"`, `"1A1F"`, `"2a2f"`, `"2A1F-dbo"`,
+    `"1A1F-bare"`, `"1A1F-piecewise"` and `"1A1F-full"` are valid inputs.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
@@ -56,6 +59,8 @@ class Topology(BaseModel):
     """`FFNPoolConfig.ubatches`: 2 with `-dbo`."""
     observability: bool = True
     """AFD with metrics and step records (the default), or without (`-bare`)."""
+    cudagraph_mode: CudaGraphMode = AttentionPoolConfig().cudagraph_mode
+    """`AttentionPoolConfig.cudagraph_mode`: its default, `piecewise` with `-piecewise`."""
 
     @model_validator(mode="before")
     @classmethod
@@ -67,14 +72,18 @@ class Topology(BaseModel):
         match = _TOPOLOGY.fullmatch(data)
         if match is None:
             raise ValueError(
-                f"topology {data!r}: expected 'plain' or '<A>A<F>F[-dbo][-bare]' with F >= 1 (e.g. 2A2F, 2A1F-dbo, "
-                "1A1F-bare)"
+                f"topology {data!r}: expected 'plain' or '<A>A<F>F[-dbo][-bare][-full|-piecewise]' with F >= 1 "
+                "(e.g. 2A2F, 2A1F-dbo, 1A1F-bare, 1A1F-piecewise)"
             )
         attention, ffn = int(match[1]), int(match[2])
         for name, count in (("attention ranks A", attention), ("FFN ranks F", ffn)):
             if not 1 <= count <= MAX_RANKS:
                 raise ValueError(f"topology {data!r}: {name} must be from 1 to {MAX_RANKS}, got {count}")
-        return {"attention": attention, "ffn": ffn, "ubatches": 2 if match[3] else 1, "observability": match[4] is None}
+        graphs = {} if match[5] is None else {"cudagraph_mode": match[5][1:].lower().replace("full", "full_decode")}
+        return {
+            "attention": attention, "ffn": ffn, "ubatches": 2 if match[3] else 1, "observability": match[4] is None,
+            **graphs,
+        }
 
     @model_validator(mode="after")
     def _dbo_needs_two_peers(self) -> Topology:
@@ -87,12 +96,12 @@ class Topology(BaseModel):
 
     @property
     def label(self) -> str:
-        """`plain` or `<A>A<F>F[-dbo][-bare]`."""
+        """`plain` or `<A>A<F>F[-dbo][-bare][-piecewise]` (`-piecewise`: not the default graph mode)."""
         if self.ffn == 0:
             return "plain"
         return f"{self.attention}A{self.ffn}F" + ("-dbo" if self.ubatches > 1 else "") + (
             "" if self.observability else "-bare"
-        )
+        ) + ("" if self.cudagraph_mode == AttentionPoolConfig().cudagraph_mode else f"-{self.cudagraph_mode}")
 
 
 def _default_checkpoints() -> Path:

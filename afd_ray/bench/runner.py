@@ -116,7 +116,11 @@ def _app_config(cfg: BenchConfig, family: str, checkpoint: Path, topology: Topol
             kv_cache_gib=cfg.kv_cache_gib,
             max_num_seqs=batch,
             num_threads=threads,
-            **({"gpu_memory_utilization": memory, "enforce_eager": cfg.enforce_eager} if cuda else {}),
+            **(
+                {"gpu_memory_utilization": memory, "enforce_eager": cfg.enforce_eager,
+                 "cudagraph_mode": topology.cudagraph_mode}
+                if cuda else {}
+            ),
         ),
         ffn=FFNPoolConfig(
             num_ranks=topology.ffn, bundle_resources=bundle, num_threads=cfg.ffn_threads, ubatches=topology.ubatches

@@ -127,8 +127,9 @@ class RunResult(_Record):
     family: str
     topology: Topology
     label: str
-    """`Topology.label`: `plain` or `<A>A<F>F`, with `-dbo` (two FFN ubatches) and `-bare`
-    (no metrics or step records)."""
+    """`Topology.label`: `plain` or `<A>A<F>F`, with `-dbo` (two FFN ubatches), `-bare`
+    (no metrics or step records) and `-piecewise` (piecewise attention graphs instead of
+    the default whole decode steps)."""
     concurrency: int
     """Concurrent request streams of this load (one value of `config.concurrency`)."""
     threads: int

@@ -77,8 +77,11 @@ class AttentionPublisher:
         self._metrics = MetricSet(("afd_connector_wait_seconds",))
 
     def publish(self, steps: Sequence[AttentionStep]) -> None:
-        """One connector-wait sample per step record in `steps`."""
+        """One connector-wait sample per step record in `steps` (none for a graph
+        replay, whose wait the host does not see)."""
         for step in steps:
+            if step.replayed:
+                continue
             tags = {"pool": "attention", "rank": self._rank, "epoch": str(step.epoch)}
             self._metrics.observe("afd_connector_wait_seconds", step.exchange_s, tags)
 

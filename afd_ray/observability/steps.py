@@ -23,7 +23,11 @@ in that step) into five parts that add up to it:
 the A2F transfer, and a wait for an FFN rank busy elsewhere. The caps matter when the
 FFN side's times overlap the attention's own work: an F2A send (or an FFN thread not
 scheduled right after it) can end after the attention rank already received the
-rows and went on computing; only the exchange time is the attention rank's wait. All times are seconds,
+rows and went on computing; only the exchange time is the attention rank's wait. The
+split measures host time: on a transport whose waits are on the device (`cuda_ipc`),
+and for a step replayed as one CUDA graph (`AttentionStep.replayed`, exchange 0), it
+puts the device-side waits into `attention`; the FFN rank's device timeline
+(`afd_ray.observability.timeline`) splits those steps. All times are seconds,
 each measured on one side with `time.perf_counter` (no clock is compared across
 processes); `start_s` is `time.time()`, for display only.
 """
@@ -58,6 +62,9 @@ class AttentionStep:
     """Time blocked in the FFN exchange, summed over layers, seconds."""
     requests: tuple[str, ...]
     """vLLM engine request ids in the step's batch (`<external id>-<suffix>`)."""
+    replayed: bool = False
+    """The step ran as a whole-step CUDA-graph replay (`attention.cudagraph_mode:
+    full_decode`): no host code ran per layer, so `exchange_s` is 0, not a measured wait."""
 
 
 @dataclass(frozen=True, slots=True)

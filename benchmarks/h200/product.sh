@@ -7,7 +7,8 @@
 # PARTs (default: equal dsv2):
 #   equal  tests/gpu/test_serve_one_gpu.py -k "llama and graphs": tiny Llama float32
 #          through Serve on one GPU, AFD with piecewise CUDA graphs, token-equal to
-#          plain vLLM with its default graphs (the correctness check before timing)
+#          plain vLLM in PIECEWISE (the correctness check before timing; equal-full
+#          checks the default mode)
 #   dsv2   DeepSeek-V2-Lite shape, bf16, batch 16/64/256, 4096-token prompts,
 #          128 output tokens (MLA KV: 31 KiB/token, 256 x 4224 tokens in 40 GiB)
 #   qwen3  Qwen3-30B-A3B shape, the same with 1280-token prompts (its GQA KV cache,
@@ -19,9 +20,17 @@
 #          window; TOPOLOGIES overrides the layouts
 #   mla    tests/gpu/test_serve_one_gpu.py -k deepseek: tiny DeepSeek-V3 (MLA, bf16)
 #          through Serve on one GPU vs plain vLLM, graphs and eager
+#   equal-full  tests/gpu/test_serve_one_gpu.py -k "full and not dbo": every tiny family
+#          with whole-step decode graphs (`attention.cudagraph_mode: full_decode`) vs
+#          plain vLLM in FULL_AND_PIECEWISE (EQUAL_FULL_S, default 480)
+# TOPOLOGIES picks the layouts of dsv2/qwen3 (default "plain 1A1F"); `1A1F` runs the
+# default `attention.cudagraph_mode` (full_decode: whole decode steps in one graph),
+# `1A1F-piecewise` piecewise attention graphs.
 # Both sides run CUDA graphs (`--no-enforce-eager`): plain vLLM its default mode
-# (FULL_AND_PIECEWISE), the AFD attention engine piecewise graphs split at the FFN ops
-# (`afd_ray.attention.engine.afd_compilation_config`); EAGER=1 runs both eager.
+# (FULL_AND_PIECEWISE), the AFD attention engine the graphs of `attention.cudagraph_mode`
+# (`afd_ray.attention.engine.afd_compilation_config`; default full_decode, whose decode
+# steps are FULL graphs too; `-piecewise` layouts: piecewise);
+# EAGER=1 runs both eager.
 # Time limits per part: EQUAL_S, DSV2_S, QWEN3_S, FANIN_S seconds (defaults 200, 500, 420, 540);
 # BATCHES (default "16 64 256") and MAX_TOKENS (default 128) trim a run.
 # Last, `python -m afd_ray.bench.summary` writes OUT/product.json (the issue-13 keys) from
@@ -66,6 +75,8 @@ for part in $parts; do
     qwen3) bench product-qwen3 "${QWEN3_S:-420}" qwen3-30b-a3b 1280 38 0.35 0.8 ;;
     fanin) TOPOLOGIES=${TOPOLOGIES:-plain 2A1F 2A1F-dbo} BATCHES=${FANIN_BATCHES:-64 128} \
         bench product-fanin "${FANIN_S:-540}" deepseek-v2-lite 4096 18 0.25 0.6 --gpu-fraction 0.33 --batch-window-us 3000 ;;
+    equal-full) run equal-full "${EQUAL_FULL_S:-480}" python3 -m pytest tests/gpu/test_serve_one_gpu.py --confcutdir=tests/gpu \
+        -rs -q -s -p no:cacheprovider -k "full and not dbo" ;;
     mla) run mla 400 python3 -m pytest tests/gpu/test_serve_one_gpu.py --confcutdir=tests/gpu -rs -q -s \
         -p no:cacheprovider -k deepseek ;;
     *) echo "unknown part $part"; failed=$((failed + 1)) ;;

@@ -37,6 +37,21 @@ def test_dbo_topology_serves_two_ubatches_per_ffn_step(tmp_path: Path) -> None:
     assert (app.ffn.ubatches, app.connector.batch_window_us) == (2, 3000)
 
 
+def test_afd_topologies_run_the_default_graph_mode_unless_piecewise_is_named(tmp_path: Path) -> None:
+    from afd_ray.bench.runner import _app_config
+    from afd_ray.models.shapes import build_shape
+
+    cfg = BenchConfig(platform="cuda", topologies=("1A1F", "1a1f-full", "1A1F-piecewise"), transport="cuda_ipc")
+    default, full, piecewise = cfg.topologies
+    assert [t.label for t in cfg.topologies] == ["1A1F", "1A1F", "1A1F-piecewise"]
+    assert (default.cudagraph_mode, full.cudagraph_mode, piecewise.cudagraph_mode) == (
+        "full_decode", "full_decode", "piecewise"
+    )
+    checkpoint = build_shape("deepseek-v2-lite", tmp_path / "shape")
+    assert _app_config(cfg, "deepseek-v2-lite", checkpoint, default).attention.cudagraph_mode == "full_decode"
+    assert _app_config(cfg, "deepseek-v2-lite", checkpoint, piecewise).attention.cudagraph_mode == "piecewise"
+
+
 @pytest.mark.parametrize("label", ["1A1F-dbo", "3A2F-dbo", "1A2F-dbo-bare"])
 def test_dbo_with_fewer_than_two_attention_ranks_per_ffn_rank_is_rejected(label: str) -> None:
     """`1A1F-dbo` was accepted and ran exactly as `1A1F`: one peer is one ubatch."""
@@ -45,7 +60,8 @@ def test_dbo_with_fewer_than_two_attention_ranks_per_ffn_rank_is_rejected(label:
     assert Topology.model_validate("4a2f-dbo").ubatches == 2
 
 
-@pytest.mark.parametrize("label", ["1A0F", "AF", "2x2", "", "plain-bare", "1A1F-off", "1A1F-bare-dbo", "plain-dbo"])
+@pytest.mark.parametrize("label", ["1A0F", "AF", "2x2", "", "plain-bare", "1A1F-off", "1A1F-bare-dbo", "plain-dbo",
+                                   "1A1F-full-bare", "plain-full", "1A1F-full-piecewise"])
 def test_bad_topology_is_rejected_with_its_label(label: str) -> None:
     with pytest.raises(ValidationError, match="topolog"):
         BenchConfig(topologies=(label,))
@@ -77,8 +93,8 @@ def test_bad_topology_flag_is_one_line_naming_the_flag_and_the_form(capsys: pyte
     assert exit_info.value.code == 2
     (message,) = capsys.readouterr().err.splitlines()[-1:]
     assert message == (
-        "python -m afd_ray.bench: error: --topologies: topology '1x1F': expected 'plain' or '<A>A<F>F[-dbo][-bare]' "
-        "with F >= 1 (e.g. 2A2F, 2A1F-dbo, 1A1F-bare)"
+        "python -m afd_ray.bench: error: --topologies: topology '1x1F': expected 'plain' or "
+        "'<A>A<F>F[-dbo][-bare][-full|-piecewise]' with F >= 1 (e.g. 2A2F, 2A1F-dbo, 1A1F-bare, 1A1F-piecewise)"
     )
 
 

@@ -10,14 +10,19 @@ same GPU: the attention engine (vLLM, `AttentionServer`) and the FFN rank
   greedy tokens equal for >= 95% of positions; the prompt logprobs' max abs
   difference is printed and recorded for every family.
 
-Each family eager and with CUDA graphs (`enforce_eager: false`): the AFD attention
-engine then runs vLLM's piecewise graphs split at the FFN boundary ops
-(`afd_ray.attention.engine.afd_compilation_config`), and the reference is plain vLLM
-in the same mode (`cudagraph_mode: PIECEWISE`). With graphs, plain vLLM's default mode
-(FULL_AND_PIECEWISE) is run too and its agreement with plain PIECEWISE recorded
-(`plain_full_vs_piecewise_equal`): how far graph modes alone move bf16 tokens. Needs CUDA, vLLM and Ray (the device pack); run with the NVIDIA MPS daemon up
-for speed (it is correct without). Skips visibly elsewhere. `-k graphs` or `-k eager`
-picks a mode.
+Each family in three modes (`afd_ray.attention.engine.afd_compilation_config`):
+- `graphs` (`attention.cudagraph_mode: piecewise`): vLLM's piecewise graphs split at
+  the FFN boundary ops; the reference is plain vLLM in the same mode (`cudagraph_mode:
+  PIECEWISE`). Plain vLLM's default mode (FULL_AND_PIECEWISE) is run too and its
+  agreement with plain PIECEWISE recorded (`plain_full_vs_piecewise_equal`): how far
+  graph modes alone move bf16 tokens.
+- `full` (`attention.cudagraph_mode: full_decode`): decode steps replay whole-step
+  graphs, exchanges captured; the reference is plain vLLM in FULL_AND_PIECEWISE, and
+  the attention rank must have replayed graphs (`graph_replays` > 0).
+- `eager`: both engines eager.
+Needs CUDA, vLLM and Ray (the device pack); run with the NVIDIA MPS daemon up for
+speed (it is correct without). Skips visibly elsewhere. `-k graphs`, `-k full` or
+`-k eager` picks a mode.
 Prints one JSON line per family (`SERVE_ONE_GPU {...}`) for the results file.
 """
 
@@ -43,10 +48,13 @@ pytestmark = [
 PROMPTS = ["The quick brown fox", "def main():", "Hello, my name is", "import os", "class Node:", "In the beginning"]
 LENGTHS = [4, 24, 9, 16, 31, 12]
 FAMILIES = {"llama": "float32", "qwen3_moe": "float32", "deepseek_v3": "bfloat16"}
-CASES = [(family, eager, False) for eager in (False, True) for family in FAMILIES] + [("qwen3_moe", False, True)]
-"""(family, eager, dbo): CUDA-graph cases first; `dbo`: 2A:1F on the GPU (1/3-GPU
+MODES = ("graphs", "full", "eager")
+CASES = [(family, mode, False) for mode in MODES for family in FAMILIES] + [("qwen3_moe", "graphs", True)]
+"""(family, mode, dbo): CUDA-graph cases first; `dbo`: 2A:1F on the GPU (1/3-GPU
 bundles), the FFN rank serving its two attention peers in two ubatches per layer
 (`ffn.ubatches`), instead of 1A:1F."""
+PLAIN_MODE = {"graphs": "PIECEWISE", "full": "FULL_AND_PIECEWISE", "eager": None}
+"""The plain vLLM reference of each mode (vLLM `cudagraph_mode`; None: eager)."""
 BF16_MIN_EQUAL = 0.95
 
 
@@ -98,9 +106,9 @@ def serve_url() -> str:
 
 
 @pytest.mark.parametrize(
-    ("family", "eager", "dbo"), CASES, ids=[f"{f}-{'eager' if e else 'graphs'}{'-2A1F-dbo' if d else ''}" for f, e, d in CASES]
+    ("family", "mode", "dbo"), CASES, ids=[f"{f}-{m}{'-2A1F-dbo' if d else ''}" for f, m, d in CASES]
 )
-def test_afd_on_one_gpu_equals_plain_vllm(serve_url: str, family: str, eager: bool, dbo: bool, tmp_path: Path) -> None:
+def test_afd_on_one_gpu_equals_plain_vllm(serve_url: str, family: str, mode: str, dbo: bool, tmp_path: Path) -> None:
     import httpx
     from ray import serve
 
@@ -109,23 +117,25 @@ def test_afd_on_one_gpu_equals_plain_vllm(serve_url: str, family: str, eager: bo
 
     dtype = FAMILIES[family]
     checkpoint = Path(build_tiny(family, tmp_path / family, cuda_mla_heads=family.startswith("deepseek")))
-    expected, expected_logprobs = _plain(checkpoint, dtype, None if eager else "PIECEWISE")
-    full = None if eager else _plain(checkpoint, dtype, "FULL_AND_PIECEWISE")[0]
+    eager = mode == "eager"
+    expected, expected_logprobs = _plain(checkpoint, dtype, PLAIN_MODE[mode])
+    full = _plain(checkpoint, dtype, "FULL_AND_PIECEWISE")[0] if mode == "graphs" else None
     args = {
         "platform": "cuda",
         "model": {"source": str(checkpoint), "served_name": "tiny", "dtype": dtype, "max_model_len": 512},
         "attention": {"num_ranks": 2 if dbo else 1, "kv_cache_gib": 0.25, "max_num_seqs": 8,
                       "bundle_resources": 0.33 if dbo else 0.5, "gpu_memory_utilization": 0.2 if dbo else 0.3,
-                      "enforce_eager": eager},
+                      "enforce_eager": eager, "cudagraph_mode": "full_decode" if mode == "full" else "piecewise"},
         "ffn": {"bundle_resources": 0.33 if dbo else 0.5, "ubatches": 2 if dbo else 1},
         "connector": {"transport": "cuda_ipc", "batch_window_us": 3000},
     }
-    name = f"gpu-{family}-{'eager' if eager else 'graphs'}{'-dbo' if dbo else ''}"
+    name = f"gpu-{family}-{mode}{'-dbo' if dbo else ''}"
     start = time.perf_counter()
     try:
         serve.run(build_app(args), name=name, route_prefix=f"/{name}")
         started_s = time.perf_counter() - start
-        graphs = serve.get_deployment_handle("attention", app_name=name).graphs_captured.remote().result()
+        attention = serve.get_deployment_handle("attention", app_name=name)
+        graphs = attention.graphs_captured.remote().result()
         with httpx.Client(base_url=serve_url, timeout=300) as http:
 
             def complete(i: int) -> tuple[list[int], list[float]]:
@@ -141,6 +151,7 @@ def test_afd_on_one_gpu_equals_plain_vllm(serve_url: str, family: str, eager: bo
             # 2A:1F-dbo: concurrent requests, so both attention ranks step at once
             with ThreadPoolExecutor(len(PROMPTS) if dbo else 1) as pool:
                 got, got_logprobs = (list(part) for part in zip(*pool.map(complete, range(len(PROMPTS)))))
+        replays = attention.graph_replays.remote().result()
     finally:
         serve.delete(name)
     positions = sum(len(t) for t in expected)
@@ -148,7 +159,8 @@ def test_afd_on_one_gpu_equals_plain_vllm(serve_url: str, family: str, eager: bo
     diffs = [abs(a - b) for g, e in zip(got_logprobs, expected_logprobs, strict=True) if len(g) == len(e)
              for a, b in zip(g, e, strict=True)]
     record = {
-        "family": family, "eager": eager, "dbo": dbo, "dtype": dtype, "equal_positions": equal, "positions": positions,
+        "family": family, "eager": eager, "mode": mode, "graph_replays": replays, "dbo": dbo, "dtype": dtype,
+        "equal_positions": equal, "positions": positions,
         "all_equal": got == expected, "prompt_logprob_max_abs_diff": max(diffs) if diffs else None,
         "app_start_s": started_s, "graphs_captured": graphs, "gpu": torch.cuda.get_device_name(0),
         "plain_full_vs_piecewise_equal": None if full is None else sum(
@@ -157,6 +169,7 @@ def test_afd_on_one_gpu_equals_plain_vllm(serve_url: str, family: str, eager: bo
     }
     print("SERVE_ONE_GPU " + json.dumps(record), flush=True)
     assert (graphs > 0) != eager, record  # graph cases really captured; eager ones did not
+    assert (replays > 0) == (mode == "full"), record  # only full mode replays whole steps
     if dtype == "float32":
         assert got == expected
     else:

@@ -30,6 +30,7 @@ from vllm.model_executor.models.utils import AutoWeightsLoader
 from vllm.sequence import IntermediateTensors
 
 from afd_ray.attention.ffn_op import begin_ffn_step, remote_ffn, remote_moe
+from afd_ray.attention.model_state import AFDModelState
 from afd_ray.ffn.family import ffn_layout
 from afd_ray.ffn.mlp import GatedMLP
 from afd_ray.ffn.routing import Router
@@ -180,6 +181,11 @@ class AFDDecoderLayer(nn.Module):
 class AFDCausalLM(nn.Module):
     """vLLM causal-LM plumbing over `self.model` (embeddings, layers, norm), `self.lm_head`,
     `self.logits_processor` and `self.config`, loading attention-role tensors only."""
+
+    @staticmethod
+    def get_model_state_cls() -> type[AFDModelState]:
+        """vLLM's per-model runner state (model runner V2): announces whole-step graph replays."""
+        return AFDModelState
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_input_ids(input_ids)

@@ -17,6 +17,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 from vllm.sequence import IntermediateTensors
 
 from afd_ray.attention.ffn_op import begin_ffn_step
+from afd_ray.attention.model_state import AFDModelState
 from afd_ray.attention.models.base import AFDDecoderLayer, attention_weights
 
 __all__ = ["AFDLlamaForCausalLM"]
@@ -54,6 +55,11 @@ class AFDLlamaForCausalLM(LlamaForCausalLM):
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=AFDLlamaDecoderLayer)
+
+    @staticmethod
+    def get_model_state_cls() -> type[AFDModelState]:
+        """vLLM's per-model runner state (model runner V2): announces whole-step graph replays."""
+        return AFDModelState
 
     def forward(
         self,
