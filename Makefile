@@ -11,7 +11,8 @@ export RAY_AUTH_MODE := disabled
 # own HTTP server (direct ingress), not Serve's Python proxy and its call to the replica:
 # a refusal under overload then comes in well under 100 ms (README "Overload, access and
 # failures"). Ray 2.60 reads these in the Serve controller, proxy and replica processes
-# and has no argument for them: they must be in the environment that starts the cluster.
+# and has no argument for them: they must be in the environment that starts the cluster
+# (afd_ray/serve/ingress_env.py INGRESS_ENV holds the same two).
 # A stopping ingress replica stays reachable 5 s (Ray's default 30 s is for an external
 # load balancer to deregister it; HAProxy here is told by the Serve controller).
 export RAY_SERVE_ENABLE_HA_PROXY := 1

@@ -14,9 +14,9 @@ import ray
 import yaml
 from ray import serve
 from ray._private import ray_constants
-from serve_env import serve_ingress_env
 
 from afd_ray.compat import any_dashboard_agent_port
+from afd_ray.serve.ingress_env import private_cluster_env
 from afd_ray.serve.app import build_app
 
 YAML = Path(__file__).parents[1] / "deployments" / "afd.yaml"
@@ -72,7 +72,7 @@ def ray_cluster(request: pytest.FixtureRequest) -> Iterator[None]:
     reads it.
 
     Serve's ingress is HAProxy in front of the ingress replicas' own HTTP servers, as
-    `make serve` runs it (`serve_ingress_env`), with its extra listeners on free ports.
+    `make serve` runs it (`private_cluster_env`), with its extra listeners on free ports.
 
     `num_cpus=8` logical CPUs on a 2-core machine: Ray CPUs are scheduling units,
     and the pools' bundles (one CPU each) plus the Serve controller and proxy need
@@ -87,7 +87,7 @@ def ray_cluster(request: pytest.FixtureRequest) -> Iterator[None]:
     dashboard = any("ray_dashboard" in item.fixturenames for item in request.session.items)
     with pytest.MonkeyPatch.context() as env:
         env.setenv("RAY_AUTH_MODE", "disabled")
-        for name, value in serve_ingress_env().items():
+        for name, value in private_cluster_env().items():
             env.setenv(name, value)
         if not dashboard:
             ray.init(address="local", include_dashboard=False, num_cpus=8)
