@@ -89,9 +89,10 @@ measured at the client as the time to the response headers: the median and the 9
 percentile of the refusals of `BURSTS` bursts (16 each) must be under `BURST_S` (the
 slowest is printed, not asserted). HAProxy passes each request straight to the ingress
 replica's own HTTP server (README "Overload, access and failures"). On the quiet 2-core
-machine, 10 bursts: 21-39 ms median and 28-46 ms p90 per burst; one test run had a
-burst at 81 / 119 ms, where the ingress replica itself took 46-63 ms per refusal (its
-access log) against 4-29 ms in a passing run. Through Serve's Python HTTP proxy, which
+machine, 10 bursts: 21-39 ms median and 28-46 ms p90 per burst, and this test 26 / 35
+ms over its 3 bursts; one earlier run of it (one burst) had 81 / 119 ms, where the
+ingress replica itself took 46-63 ms per refusal (its access log) against 4-29 ms in a
+passing run. Through Serve's Python HTTP proxy, which
 this replaced, the same bursts took 62-93 ms median and 73-99 ms p90 (69-150 / 90-175 ms
 in an earlier run)."""
 
