@@ -7,6 +7,16 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.afd_ray-installed
 # Ray 2.60 enables token auth on new local clusters; local/CI clusters run without it.
 export RAY_AUTH_MODE := disabled
+# Serve's HTTP ingress is HAProxy passing each request straight to the ingress replica's
+# own HTTP server (direct ingress), not Serve's Python proxy and its call to the replica:
+# a refusal under overload then comes in well under 100 ms (README "Overload, access and
+# failures"). Ray 2.60 reads these in the Serve controller, proxy and replica processes
+# and has no argument for them: they must be in the environment that starts the cluster
+# (afd_ray/serve/ingress_env.py INGRESS_ENV holds the same two).
+# A stopping ingress replica stays reachable 5 s (Ray's default 30 s is for an external
+# load balancer to deregister it; HAProxy here is told by the Serve controller).
+export RAY_SERVE_ENABLE_HA_PROXY := 1
+export RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S := 5
 
 .PHONY: install serve test models
 

@@ -16,6 +16,7 @@ from ray import serve
 from ray._private import ray_constants
 
 from afd_ray.compat import any_dashboard_agent_port
+from afd_ray.serve.ingress_env import private_cluster_env
 from afd_ray.serve.app import build_app
 
 YAML = Path(__file__).parents[1] / "deployments" / "afd.yaml"
@@ -60,14 +61,18 @@ def ray_cluster(request: pytest.FixtureRequest) -> Iterator[None]:
     """A fresh single-node Ray cluster, shut down after the session.
 
     Ray binds its own services to the node's IP (it rewrites a loopback
-    `_node_ip_address` to that IP); the Serve HTTP proxies the tests start listen
-    on 127.0.0.1 only.
+    `_node_ip_address` to that IP); the Serve HTTP ingress the tests start (HAProxy
+    and the ingress replicas' servers) listens on 127.0.0.1 only, HAProxy's stats
+    page and exporter on every interface (README "Quick start").
 
     `RAY_AUTH_MODE=disabled`: Ray 2.60 turns on token auth for every new local
     cluster, writing a token to `~/.ray/auth_token` that each driver and `serve`
     call must then carry. A throwaway cluster that lives for one test session has
     nothing to protect, and the variable has to be set before `ray.init`, which
     reads it.
+
+    Serve's ingress is HAProxy in front of the ingress replicas' own HTTP servers, as
+    `make serve` runs it (`private_cluster_env`), with its extra listeners on free ports.
 
     `num_cpus=8` logical CPUs on a 2-core machine: Ray CPUs are scheduling units,
     and the pools' bundles (one CPU each) plus the Serve controller and proxy need
@@ -82,6 +87,8 @@ def ray_cluster(request: pytest.FixtureRequest) -> Iterator[None]:
     dashboard = any("ray_dashboard" in item.fixturenames for item in request.session.items)
     with pytest.MonkeyPatch.context() as env:
         env.setenv("RAY_AUTH_MODE", "disabled")
+        for name, value in private_cluster_env().items():
+            env.setenv(name, value)
         if not dashboard:
             ray.init(address="local", include_dashboard=False, num_cpus=8)
         else:
@@ -124,7 +131,7 @@ def args() -> dict[str, object]:
 
 @pytest.fixture(scope="session")
 def serve_url(ray_cluster: None) -> Iterator[str]:
-    """Ray Serve on the session cluster, its HTTP proxy on a free loopback port."""
+    """Ray Serve on the session cluster, its HTTP ingress (HAProxy) on a free loopback port."""
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield f"http://127.0.0.1:{port}"

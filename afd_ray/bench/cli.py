@@ -10,7 +10,8 @@ Where it runs:
 - **In a process already connected to Ray** (a notebook, a test): that connection,
   and `--serve-url` if Serve is already running without a dashboard.
 - **Otherwise**: a private local cluster (`RAY_AUTH_MODE=disabled`, no dashboard, Serve
-  on a free loopback port), shut down at the end.
+  on a free loopback port behind HAProxy as `make serve`'s: `private_cluster_env`), shut
+  down at the end.
 
 `ray.init(address="auto")` is deliberately not the fallback: "auto" joins any Ray
 instance it finds on the machine, including another user's throw-away test cluster.
@@ -34,6 +35,7 @@ from afd_ray.bench.config import BenchConfig, Topology
 from afd_ray.bench.schema import BenchResult, FFNRankResult
 from afd_ray.models import FAMILIES
 from afd_ray.models.shapes import SHAPES
+from afd_ray.serve.ingress_env import private_cluster_env
 
 __all__ = ["build_parser", "format_table", "main", "serve_endpoint", "usage_message"]
 
@@ -216,6 +218,7 @@ def serve_endpoint(cfg: BenchConfig, ray_address: str | None, serve_url: str | N
     joined = not ray.is_initialized()
     if private:
         os.environ["RAY_AUTH_MODE"] = "disabled"  # read by ray.init; loopback-only cluster
+        os.environ.update(private_cluster_env())  # Serve's HTTP ingress as `make serve`'s
         context = ray.init(address="local", include_dashboard=False, num_cpus=_local_cpus(cfg))
     else:
         context = ray.init(address=ray_address, ignore_reinit_error=True)

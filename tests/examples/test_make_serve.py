@@ -14,6 +14,8 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+from afd_ray.serve.ingress_env import INGRESS_ENV
+
 ROOT = Path(__file__).parents[2]
 
 
@@ -25,3 +27,10 @@ def test_make_serve_starts_its_own_cluster_with_the_venv_first_on_path(tmp_path:
     (serve_run,) = [line for line in dry_run.splitlines() if "serve run" in line]
     assert serve_run.startswith(f'PATH="{venv}/bin:$PATH" '), serve_run
     assert " --address local " in serve_run, serve_run
+
+
+def test_make_serve_exports_the_ingress_env() -> None:
+    """`make serve`'s cluster serves HTTP as the tests' and the benchmark's do (HAProxy +
+    direct ingress, `afd_ray.serve.ingress_env`): the Makefile exports `INGRESS_ENV`."""
+    makefile = (ROOT / "Makefile").read_text().splitlines()
+    assert all(f"export {name} := {value}" in makefile for name, value in INGRESS_ENV.items()), INGRESS_ENV

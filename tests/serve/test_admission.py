@@ -83,15 +83,18 @@ def _wait_admission(http: httpx.Client, ok: Callable[[dict], bool], within_s: fl
 HOLD_TOKENS = 160
 """Tokens of each stream that holds the capacity while refusals are timed: the first
 of them ends seconds after the probes (about 40 ms per step on a loaded 2-core machine)."""
-BURST_MEDIAN_S, BURST_P90_S = 1.0, 2.0
-"""Bounds on the burst's refusals, measured at the client: the median and the 90th
-percentile of the time to the response headers, seconds. Under a burst each refusal
-waits for Serve's HTTP proxy to pass it to the ingress and its answer back: on the
-loaded 2-core machine a Serve app that refuses at once with no work of its own took
-about 210 ms median (320 ms p90) for 16 requests at once, and the ingress's own
-decision takes under 1 ms (README "Overload, access and failures"). So the issue's 100 ms
-is met only where the proxy allows it; these bounds are over 3x the worst seen (266 ms
-median, 565 ms p90 at a load average of 11)."""
+BURST_S, BURSTS = 0.1, 3
+"""Issue 15's bound on the refusals under overload ("the 429s come within 100 ms"),
+measured at the client as the time to the response headers: the median and the 90th
+percentile of the refusals of `BURSTS` bursts (16 each) must be under `BURST_S` (the
+slowest is printed, not asserted). HAProxy passes each request straight to the ingress
+replica's own HTTP server (README "Overload, access and failures"). On the quiet 2-core
+machine, 10 bursts: 21-39 ms median and 28-46 ms p90 per burst, and this test 26 / 35
+ms over its 3 bursts; one earlier run of it (one burst) had 81 / 119 ms, where the
+ingress replica itself took 46-63 ms per refusal (its access log) against 4-29 ms in a
+passing run. Through Serve's Python HTTP proxy, which
+this replaced, the same bursts took 62-93 ms median and 73-99 ms p90 (69-150 / 90-175 ms
+in an earlier run)."""
 
 
 def _answer_to_half_a_body(client: httpx.Client) -> tuple[bytes, float]:
@@ -117,17 +120,10 @@ def _answer_to_half_a_body(client: httpx.Client) -> tuple[bytes, float]:
         return answer.partition(b"\r\n\r\n")[0], time.monotonic() - sent
 
 
-def test_overload_is_refused_at_once(guarded: httpx.Client) -> None:
-    """5x the capacity at once: 200s whose streams complete, and 429s with
-    `Retry-After`; nothing hangs (each thread is joined with a bound), and every
-    admitted request is given back. The burst's refusals, timed at the client, are
-    within `BURST_MEDIAN_S` (median) and `BURST_P90_S` (90th percentile). Then, with
-    the capacity held by long streams: a refusal is decided from the headers, before
-    the body is read (a request whose body never finishes still gets its 429; it
-    hung before), and each of 10 sequential probes is a 429 well before any held
-    stream frees a slot (under 1 s; the holders run for several seconds), the
-    fastest within 100 ms."""
-    assert guarded.post("/v1/completions", json=_completion(stream=False), headers=USER).status_code == 200  # warm
+def _overload_burst(guarded: httpx.Client) -> list[float]:
+    """One burst of 5x the capacity, checked: 200s whose streams complete and 429/503s
+    with `Retry-After`, none hung, every admitted request given back. Returns the
+    refusals' seconds to their response headers."""
     before = _wait_admission(guarded, lambda a: a["in_flight"] == 0)
     n = 5 * CAPACITY
     answers, threads, start = _burst(guarded, n, MAX_TOKENS)
@@ -147,7 +143,24 @@ def test_overload_is_refused_at_once(guarded: httpx.Client) -> None:
     assert after["admitted"] - before["admitted"] == len(ok)
     assert after["refused_429"] + after["refused_503"] - before["refused_429"] - before["refused_503"] == len(refused)
     assert "max_queued_per_rank" in after["last_refusal"]
-    burst = sorted(a.headers_s for a in refused)
+    return [a.headers_s for a in refused]
+
+
+def test_overload_is_refused_at_once(guarded: httpx.Client) -> None:
+    """`BURSTS` bursts of 5x the capacity at once (`_overload_burst`): 200s whose
+    streams complete, and 429s with `Retry-After`; nothing hangs (each thread is joined
+    with a bound), and every admitted request is given back. The refusals of all the
+    bursts, timed at the client, are within `BURST_S` (median and 90th percentile).
+    Then, with the capacity held by long streams: a refusal is decided from the
+    headers, before the body is read (a request whose body never finishes still gets
+    its 429; it hung before), and each of 10 sequential probes is a 429 well before
+    any held stream frees a slot (under 1 s; the holders run for several seconds), the
+    fastest within 100 ms."""
+    assert guarded.post("/v1/completions", json=_completion(stream=False), headers=USER).status_code == 200  # warm
+    refusals: list[float] = []
+    for _ in range(BURSTS):
+        refusals += _overload_burst(guarded)
+    burst = sorted(refusals)
     median, p90 = statistics.median(burst), burst[int(0.9 * (len(burst) - 1))]
 
     holders, long, hold = _burst(guarded, CAPACITY, HOLD_TOKENS)
@@ -165,11 +178,11 @@ def test_overload_is_refused_at_once(guarded: httpx.Client) -> None:
         thread.join(180)
     assert not any(thread.is_alive() for thread in long), "a held stream hung"
     assert all(a.status == 200 and a.done and a.tokens == HOLD_TOKENS for a in holders), holders
-    print(f"\noverload: {len(ok)} x 200, {len(refused)} refused; burst refusals in {median * 1e3:.0f} ms median, "
+    print(f"\noverload: {BURSTS} bursts, {len(burst)} refused; refusals in {median * 1e3:.0f} ms median, "
           f"{p90 * 1e3:.0f} ms p90, {burst[-1] * 1e3:.0f} ms max; a refusal before its body in "
           f"{unfinished_s * 1e3:.0f} ms; sequential refusals {min(probes) * 1e3:.1f} ms min, "
           f"{statistics.median(probes) * 1e3:.1f} ms median, {max(probes) * 1e3:.1f} ms max")  # fmt: skip
-    assert median < BURST_MEDIAN_S and p90 < BURST_P90_S, burst
+    assert median < BURST_S and p90 < BURST_S, burst
     assert min(probes) < 0.1 and max(probes) < 1.0, probes
     _wait_admission(guarded, lambda a: a["in_flight"] == 0)
 

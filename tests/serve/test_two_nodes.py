@@ -26,6 +26,7 @@ from vllm import LLM, SamplingParams
 from vllm.distributed import cleanup_dist_env_and_memory
 
 from afd_ray.models.tiny import build_tiny
+from afd_ray.serve.ingress_env import private_cluster_env
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 MAX_TOKENS = 12
@@ -41,6 +42,8 @@ def _driver(checkpoint: str) -> Iterator[tuple[subprocess.Popen, Path]]:
     - `RAY_TMPDIR`: the cluster's sessions, sockets and `ray_current_cluster` file
       stay out of `/tmp/ray`, where the session cluster and `ray start` keep theirs.
       Short, under /tmp: Unix socket paths are limited to 107 bytes.
+    - Serve's ingress as the session's (`private_cluster_env`), with its own free ports
+      for HAProxy's extra listeners (the session cluster's HAProxy holds its own).
     - `RAY_ADDRESS` is dropped, so the driver cannot join another cluster.
     - `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`: without it, `ray.init` rewrites the
       head's 127.0.0.1 to this machine's network IP, where the head's GCS does not
@@ -51,7 +54,7 @@ def _driver(checkpoint: str) -> Iterator[tuple[subprocess.Popen, Path]]:
         env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"} | {
             "RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": ray_tmp, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
             "PYTHONPATH": str(Path(__file__).parents[2]),
-        }  # fmt: skip
+        } | private_cluster_env()  # fmt: skip
         log = Path(ray_tmp) / "driver.log"  # a file, not a pipe: nobody reads while plain vLLM runs
         with log.open("w") as out:
             driver = subprocess.Popen(

@@ -1,0 +1,45 @@
+"""Ray's environment for how afd_ray serves HTTP: HAProxy passing each request straight
+to the ingress replica's own HTTP server (Serve's direct ingress), not Serve's Python
+proxy and its Ray call to the replica (README "Overload, access and failures": under a
+burst, refusals come in well under 100 ms this way).
+
+Ray 2.60 reads these variables in the Serve controller, proxy and replica processes
+when they start and has no argument for them, so they must be in the environment of the
+process that starts the Ray cluster. The Makefile exports `INGRESS_ENV` for `make
+serve`; the clusters the project starts itself (the tests' session cluster, the
+benchmark's private cluster) use `private_cluster_env`.
+"""
+
+from __future__ import annotations
+
+import socket
+from types import MappingProxyType
+
+__all__ = ["INGRESS_ENV", "private_cluster_env"]
+
+INGRESS_ENV = MappingProxyType({
+    "RAY_SERVE_ENABLE_HA_PROXY": "1",
+    # A stopping ingress replica stays reachable this long (seconds). Ray's default,
+    # 30 s, is for an external load balancer to deregister it; here the Serve
+    # controller tells HAProxy, which retries a refused connection on another replica.
+    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "5",
+})  # fmt: skip
+"""What `make serve` sets (the Makefile's copy must stay equal)."""
+
+
+def private_cluster_env() -> dict[str, str]:
+    """`INGRESS_ENV`, plus free ports for HAProxy's stats page, its Prometheus exporter
+    and the fallback Serve proxy instead of Ray's fixed 8404, 9101 and 8500: a second
+    cluster on the machine (a test session next to `make serve`, or a test's own
+    cluster next to the session's) would fail to start HAProxy on those."""
+    return dict(INGRESS_ENV) | {
+        "RAY_SERVE_HAPROXY_STATS_PORT": str(_free_port()),
+        "RAY_SERVE_HAPROXY_METRICS_PORT": str(_free_port()),
+        "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(_free_port()),
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
