@@ -10,17 +10,14 @@ config override of `auto` is checked in `tests/connector/test_link.py`.
 
 from __future__ import annotations
 
-import gc
-
 import httpx
 import pytest
-import torch
 from ray import serve
-from vllm import LLM, SamplingParams
-from vllm.distributed import cleanup_dist_env_and_memory
+from vllm import SamplingParams
 
 from afd_ray.config import ModelConfig
 from afd_ray.models.embedded import resolve_checkpoint
+from plain_engine import plain_llm
 
 PROMPTS = [
     "The capital of France is",
@@ -39,26 +36,10 @@ def plain_tokens(args: dict[str, object]) -> list[list[int]]:
     (`VLLM_ENABLE_V1_MULTIPROCESSING=0`: no EngineCore child to start, which re-imported
     vLLM beside the session's application) and is shut down before the tests."""
     model = ModelConfig.model_validate(args["model"])
-    threads = torch.get_num_threads()  # the vLLM CPU worker lowers it in-process
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        llm = LLM(
-            str(resolve_checkpoint(model)),
-            dtype="float32",
-            enforce_eager=True,
-            max_model_len=model.max_model_len,
-            kv_cache_memory_bytes=1 << 30,
-        )
-        greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
-        try:
-            outputs = [llm.generate([prompt], greedy, use_tqdm=False)[0] for prompt in PROMPTS]
-            tokens = [list(out.outputs[0].token_ids) for out in outputs]
-        finally:
-            llm.llm_engine.engine_core.shutdown()
-            del llm
-            gc.collect()
-            cleanup_dist_env_and_memory()
-    torch.set_num_threads(threads)
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    with plain_llm(str(resolve_checkpoint(model)), model.max_model_len, 1 << 30) as llm:
+        outputs = [llm.generate([prompt], greedy, use_tqdm=False)[0] for prompt in PROMPTS]
+        tokens = [list(out.outputs[0].token_ids) for out in outputs]
     return tokens
 
 

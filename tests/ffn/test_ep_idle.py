@@ -11,23 +11,18 @@ from __future__ import annotations
 
 import threading
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-from afd_ray.connector.channel import AttentionChannel, FFNChannel
-from afd_ray.connector.process_group import new_process_group
+from afd_ray.connector.channel import AttentionChannel
 from afd_ray.ffn.ep import EPGroup
 from afd_ray.ffn.model import load_ffn_stack
-from afd_ray.ffn.moe import MoE
-from afd_ray.ffn.runtime import FFNRuntime
 from afd_ray.models.tiny import build_tiny
+from ep_pair import CPU, ep_pair
 
-CPU = torch.device("cpu")
 TIMEOUT_S = 30
-POLL_S, IDLE_POLL_S = 0.002, 0.02
+IDLE_POLL_S = 0.02
 IDLE_S = 1.0
 
 
@@ -44,28 +39,7 @@ class _CountingEPGroup(EPGroup):
 def test_an_idle_ep_group_checks_in_ever_less_often_and_still_serves(tmp_path: Path) -> None:
     checkpoint = build_tiny("qwen3_moe", tmp_path / "qwen3_moe")
     full = load_ffn_stack(checkpoint, torch.float32, CPU)
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=TIMEOUT_S))
-    runtimes: dict[int, FFNRuntime] = {}
-    errors: list[BaseException] = []
-
-    def build(rank: int) -> None:
-        try:
-            stack = load_ffn_stack(checkpoint, torch.float32, CPU, ep_rank=rank, ep_size=2)
-            client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=TIMEOUT_S))
-            group = new_process_group("gloo", dist.PrefixStore("ep", client), rank, 2, TIMEOUT_S)
-            moe = [block for block in stack.layers if isinstance(block, MoE)]
-            ep = _CountingEPGroup(group, moe[0].spec.num_experts, CPU)
-            channel = FFNChannel("127.0.0.1", "gloo", TIMEOUT_S)
-            runtimes[rank] = FFNRuntime(stack, channel, torch.float32, POLL_S, 0.001, ep, idle_poll_s=IDLE_POLL_S)
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
-            errors.append(exc)
-
-    builders = [threading.Thread(target=build, args=(rank,)) for rank in range(2)]
-    for thread in builders:
-        thread.start()
-    for thread in builders:
-        thread.join(TIMEOUT_S)
-    assert not errors and len(runtimes) == 2, errors
+    runtimes = ep_pair(checkpoint, TIMEOUT_S, IDLE_POLL_S, ep_lost_wait_s=TIMEOUT_S, group_cls=_CountingEPGroup)
     loops = [threading.Thread(target=runtime.run) for runtime in runtimes.values()]
     for loop in loops:
         loop.start()

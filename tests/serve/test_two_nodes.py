@@ -9,7 +9,6 @@ process is already connected to the session's cluster; plain vLLM runs here.
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import signal
@@ -20,13 +19,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import pytest
-import torch
-from vllm import LLM, SamplingParams
-from vllm.distributed import cleanup_dist_env_and_memory
+from vllm import SamplingParams
 
 from afd_ray.models.tiny import build_tiny
 from afd_ray.serve.ingress_env import private_cluster_env
+from plain_engine import plain_llm
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 MAX_TOKENS = 12
@@ -84,19 +81,9 @@ def _plain_vllm(checkpoint: str) -> list[list[int]]:
     """Greedy ids of plain vLLM for `PROMPTS`; the engine runs in this process
     (`VLLM_ENABLE_V1_MULTIPROCESSING=0`: no EngineCore child re-importing vLLM beside
     the starting cluster) and is shut down before returning."""
-    threads = torch.get_num_threads()  # the vLLM CPU worker lowers it in-process
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        llm = LLM(checkpoint, dtype="float32", enforce_eager=True, max_model_len=256, kv_cache_memory_bytes=1 << 28)
-        try:
-            greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-            return [list(out.outputs[0].token_ids) for out in llm.generate(PROMPTS, greedy, use_tqdm=False)]
-        finally:
-            llm.llm_engine.engine_core.shutdown()
-            del llm
-            gc.collect()
-            cleanup_dist_env_and_memory()
-            torch.set_num_threads(threads)
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    with plain_llm(checkpoint, 256, 1 << 28) as llm:
+        return [list(out.outputs[0].token_ids) for out in llm.generate(PROMPTS, greedy, use_tqdm=False)]
 
 
 def test_ffn_pool_pinned_to_a_second_node_serves_over_gloo(tmp_path: Path) -> None:
