@@ -258,10 +258,7 @@ class Coordinator:
         """What attention rank `rank` must do now: its state (DRAINING once Serve
         stops its replica) and its current FFN peer; None: this coordinator restarted
         and does not know the rank, which must `rejoin_attention`."""
-        registry = self._registry
-        if rank not in registry.attention:
-            return None
-        return AttentionDirective(state=registry.attention[rank].state, assignment=registry.attention_assignment(rank))
+        return self._registry.attention_directive(rank)
 
     async def attention_peered(self, rank: int, epoch: int) -> None:
         """Attention rank `rank` re-peered: its pair channel of `epoch` is open."""

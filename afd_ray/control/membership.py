@@ -145,9 +145,10 @@ class AttentionDirective(_Record):
     """What the coordinator wants of one attention rank now (it polls for it)."""
 
     state: MemberState
-    assignment: AttentionAssignment
+    assignment: AttentionAssignment | None
     """Its current FFN peer; when its epoch is newer than the pairing the rank holds,
-    the rank re-peers between two engine steps."""
+    the rank re-peers between two engine steps. None: the coordinator (restarted)
+    does not know that FFN peer yet; the rank keeps the pairing it holds."""
 
 
 class ScaleRequest(_Record):

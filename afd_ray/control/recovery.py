@@ -49,7 +49,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from afd_ray.control.membership import LoopState, MemberState, RecoveryEvent
-from afd_ray.control.placement import joining, rebalance_moves, reformed_layout
+from afd_ray.control.placement import joining, rebalance_moves, reformed_layout, stray_moves
 from afd_ray.control.registry import Plan, Registry
 from afd_ray.control.resize import FFN_DEPLOYMENT, WATCH_PERIOD_S, Resizer
 from afd_ray.control.serve_api import replica_states
@@ -153,11 +153,29 @@ class Recovery:
         while True:
             await asyncio.sleep(WATCH_PERIOD_S)
             dead = self.dead(await self._states())
-            if dead or (self._unrecovered is not None and time.monotonic() >= self._retry_at):
-                try:
+            try:
+                if dead or (self._unrecovered is not None and time.monotonic() >= self._retry_at):
                     await self._recover(dead)
-                except Exception:
-                    logger.exception("FFN recovery failed")
+                else:
+                    await self._move_strays()
+            except Exception:
+                logger.exception("FFN recovery failed")
+
+    async def _move_strays(self) -> None:
+        """Move READY attention ranks whose FFN peer is outside the serving layout
+        onto it (`placement.stray_moves`), unless the layout is changing or being
+        recovered: after a coordinator restart an attention rank can rejoin peered
+        with a rank that died meanwhile, or one the old coordinator had moved it off
+        before the rank followed."""
+        registry = self._registry
+        busy = registry.plan is not None or self._resizer.layout_lock.locked() or self._unrecovered is not None
+        if not registry.layout or busy:
+            return
+        moves = stray_moves(registry.attention, registry.layout)
+        for rank, peer in moves:
+            registry.repeer(rank, peer)
+        if moves:
+            await registry.notify()
 
     async def _until(self, condition: Callable[[], bool], deadline: float) -> dict[int, str]:
         """Until `condition()` holds (then `{}`) or an FFN rank is found dead (then the

@@ -20,6 +20,7 @@ from afd_ray.connector.channel import FFNAddress
 from afd_ray.connector.link import TransportChoice, select_transport
 from afd_ray.control.membership import (
     AttentionAssignment,
+    AttentionDirective,
     AttentionMember,
     EPAssignment,
     FFNDirective,
@@ -213,6 +214,18 @@ class Registry:
             control_port=address.control_port, epoch=member.epoch,
             transport=select_transport(self.transport, self.backend, same_node), timeout_s=self.timeout_s,
         )  # fmt: skip
+
+    def attention_directive(self, rank: int) -> AttentionDirective | None:
+        """What attention rank `rank` must do now (`Coordinator.attention_poll`); None:
+        this registry does not know the rank (the coordinator restarted), which must
+        rejoin. Its assignment is None while its FFN peer is unknown here (a restarted
+        coordinator before that rank rejoined, or a rank that died before the restart):
+        the rank keeps the pairing it holds until it is moved (`stray_moves`)."""
+        member = self.attention.get(rank)
+        if member is None:
+            return None
+        assignment = self.attention_assignment(rank) if member.ffn_peer in self.ffn else None
+        return AttentionDirective(state=member.state, assignment=assignment)
 
     def ffn_directive(self, rank: int, epoch: int) -> FFNDirective:
         """The answer to FFN rank `rank` serving `epoch`: the pending plan it must
