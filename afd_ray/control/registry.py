@@ -70,6 +70,9 @@ class Registry:
         self.ffn: dict[int, FFNMember] = {}
         self.attention: dict[int, AttentionMember] = {}
         self._next_attention = 0
+        self._next_ffn = 0
+        """Above every FFN rank id this registry heard of: its members, and the FFN
+        peers that attention ranks rejoined with (a new rank never reuses an id)."""
         self.vanished: set[int] = set()
         """Attention ranks whose replica vanished without leaving (their FFN peer drops them)."""
         self.retired: set[int] = set()
@@ -97,7 +100,8 @@ class Registry:
     def add_ffn(self, address: FFNAddress, replica: str = "") -> int:
         """A new FFN rank (STARTING) serving at `address` in Serve replica `replica`;
         the first `first_layout_size` ranks form the first layout."""
-        rank = max(self.ffn, default=-1) + 1
+        rank = self._next_ffn
+        self._next_ffn += 1
         self.ffn[rank] = FFNMember(rank=rank, address=address, replica=replica)
         if not self._formed and len(self.ffn) == self._first_layout_size:
             self.layout, self._formed = tuple(sorted(self.ffn)), True
@@ -115,6 +119,7 @@ class Registry:
         self.ffn[member.rank] = member
         self.epoch = max(self.epoch, member.epoch)
         self._formed = True
+        self._next_ffn = max(self._next_ffn, member.rank + 1)
         serving = [m for m in self.ffn.values() if m.ep_rank is not None and m.state is not MemberState.GONE]
         newest = max((m.epoch for m in serving), default=0)
         layout = sorted((m for m in serving if m.epoch == newest), key=lambda m: m.ep_rank)
@@ -133,6 +138,7 @@ class Registry:
         self.epoch = max(self.epoch, member.epoch)
         self._formed = True
         self._next_attention = max(self._next_attention, member.rank + 1)
+        self._next_ffn = max(self._next_ffn, member.ffn_peer + 1)
         logger.info("attention rank %d rejoined (FFN peer %d, epoch %d)", member.rank, member.ffn_peer, member.epoch)
 
     def update_ffn(self, rank: int, **update: object) -> None:

@@ -51,6 +51,17 @@ def test_an_attention_rank_naming_an_unknown_ffn_peer_gets_no_assignment() -> No
     assert directive is not None and directive.assignment is not None and directive.assignment.ffn_rank == 1
 
 
+def test_a_restarted_coordinator_never_reuses_an_ffn_rank_id() -> None:
+    """FFN rank 1 of the EP2 layout (0, 1) died before the restart. A new FFN rank
+    (Serve's replacement) must not get id 1 while attention rank 0 still names 1 as
+    its peer. Before, new ids were max(known FFN ranks) + 1, so the replacement got
+    1: attention rank 0's peer became the replacement, under its old pairing epoch."""
+    registry = Registry("gloo", 5.0, 2)
+    registry.rejoin_attention(_attention(0, ffn_peer=1, epoch=3))
+    registry.rejoin_ffn(_ffn(0, 3, (0, 1)), 2)
+    assert registry.add_ffn(ADDRESS, "ffn#2") == 2
+
+
 class _Serve:
     """Serve's replica states of the FFN deployment, as the test sets them."""
 
