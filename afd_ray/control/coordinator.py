@@ -201,11 +201,13 @@ class Coordinator:
             await registry.notify()
         return registry.ffn_directive(rank, epoch)
 
-    async def rejoin_ffn(self, member: FFNMember, ep_size: int) -> None:
+    async def rejoin_ffn(self, member: FFNMember, layout: tuple[int, ...], preparing: int) -> None:
         """A running FFN rank re-registers after this coordinator restarted: `member`
-        as it knows itself (address, replica, the epoch and EP rank it serves), in a
-        layout of `ep_size` ranks."""
-        self._registry.rejoin_ffn(member, ep_size)
+        as it knows itself (address, replica, the epoch, EP rank and loop state it
+        serves), the FFN ranks of that layout in EP order, and the newest layout epoch
+        it was asked to prepare (`Registry.rejoin_ffn`)."""
+        self._registry.rejoin_ffn(member, tuple(layout), preparing)
+        self._recovery.heard(member.rank, member.loop or LoopState.SERVING)
         await self._registry.notify()
 
     async def rejoin_attention(self, member: AttentionMember) -> None:

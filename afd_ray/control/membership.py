@@ -112,6 +112,9 @@ class EPAssignment(_Record):
     epoch: int
     backend: str
     timeout_s: float
+    ranks: tuple[int, ...] = ()
+    """The FFN ranks of that layout in EP order (what the rank tells a restarted
+    coordinator, `Registry.rejoin_ffn`)."""
 
 
 class LayoutPlan(_Record):

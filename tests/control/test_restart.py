@@ -16,8 +16,8 @@ from afd_ray.control.recovery import Recovery
 from afd_ray.control.registry import Registry
 from afd_ray.control.resize import Resizer
 
-READY = MemberState.READY
-SERVING = LoopState.SERVING
+READY, GONE = MemberState.READY, MemberState.GONE
+SERVING, EP_LOST = LoopState.SERVING, LoopState.EP_LOST
 ADDRESS = FFNAddress("127.0.0.1", 1, 2)
 WITHIN_S = 20.0
 """Bound on every wait of these tests (they take about a second each)."""
@@ -46,7 +46,7 @@ def test_an_attention_rank_naming_an_unknown_ffn_peer_gets_no_assignment() -> No
     directive = registry.attention_directive(0)
     assert directive is not None and directive.state is READY and directive.assignment is None
     assert registry.attention_directive(7) is None
-    registry.rejoin_ffn(_ffn(1, 3, (0, 1)), 2)
+    registry.rejoin_ffn(_ffn(1, 3, (0, 1)), (0, 1), 3)
     directive = registry.attention_directive(0)
     assert directive is not None and directive.assignment is not None and directive.assignment.ffn_rank == 1
 
@@ -54,12 +54,16 @@ def test_an_attention_rank_naming_an_unknown_ffn_peer_gets_no_assignment() -> No
 def test_a_restarted_coordinator_never_reuses_an_ffn_rank_id() -> None:
     """FFN rank 1 of the EP2 layout (0, 1) died before the restart. A new FFN rank
     (Serve's replacement) must not get id 1 while attention rank 0 still names 1 as
-    its peer. Before, new ids were max(known FFN ranks) + 1, so the replacement got
-    1: attention rank 0's peer became the replacement, under its old pairing epoch."""
+    its peer, nor any id of a layout a rejoined rank told. Before, new ids were
+    max(known FFN ranks) + 1, so the replacement got 1: attention rank 0's peer
+    became the replacement, under its old pairing epoch."""
     registry = Registry("gloo", 5.0, 2)
     registry.rejoin_attention(_attention(0, ffn_peer=1, epoch=3))
-    registry.rejoin_ffn(_ffn(0, 3, (0, 1)), 2)
+    registry.rejoin_ffn(_ffn(0, 3, (0, 1), EP_LOST), (0, 1), 3)
     assert registry.add_ffn(ADDRESS, "ffn#2") == 2
+    restarted = Registry("gloo", 5.0, 2)
+    restarted.rejoin_ffn(_ffn(0, 5, (0, 4)), (0, 4), 5)  # rank 4 has not rejoined yet
+    assert restarted.add_ffn(ADDRESS, "ffn#5") == 5
 
 
 class _Serve:
@@ -80,6 +84,22 @@ async def _until(condition: Callable[[], bool], within_s: float = WITHIN_S) -> N
         await asyncio.sleep(0.02)
 
 
+async def _report(registry: Registry, recovery: Recovery, alive: dict[int, LoopState]) -> None:
+    """The FFN ranks in `alive`, as their reports (every 0.02 s here) tell the
+    coordinator: each prepares the pending plan it is in and switches to it at once
+    (as a rank whose EP group is lost does), then serves it."""
+    while True:
+        plan = registry.plan
+        for rank in list(alive):
+            if plan is not None and rank in plan.ranks:
+                registry.update_ffn(rank, epoch=plan.epoch)
+                alive[rank] = SERVING
+            registry.update_ffn(rank, loop=alive[rank])
+            recovery.heard(rank, alive[rank])
+        await registry.notify()
+        await asyncio.sleep(0.02)
+
+
 def _coordinator(serve: _Serve, num_ffn: int) -> tuple[Registry, Recovery]:
     """A restarted coordinator's registry and recovery (FFN target `num_ffn`)."""
     cfg = AFDConfig.model_validate({"ffn": {"num_ranks": num_ffn}, "attention": {"num_ranks": 2}})
@@ -87,6 +107,80 @@ def _coordinator(serve: _Serve, num_ffn: int) -> tuple[Registry, Recovery]:
     resizer = Resizer(registry, "afd", cfg.attention, cfg.ffn, cfg.autoscale, replicas=serve)
     recovery = Recovery(registry, resizer, "afd", cfg.ffn.heartbeat_timeout_s, 10.0, replicas=serve)
     return registry, recovery
+
+
+def test_a_restart_in_the_middle_of_a_recovery_reforms_the_layout() -> None:
+    """EP2 layout (0, 1) of epoch 3; FFN rank 1 was SIGKILLed, and the coordinator
+    restarted before its recovery switched the layout. FFN rank 0 (its EP group lost)
+    and both attention ranks (rank 0 still peered with the dead rank 1) rejoin. The
+    restarted coordinator takes rank 0 as the layout, records the loss of rank 1, and
+    re-forms the layout with Serve's replacement (a new id) under a newer epoch: rank 0
+    keeps EP rank 0, attention rank 0 moves to the replacement, attention rank 1 is
+    re-peered with rank 0 under a new epoch (its pair was closed with the EP group).
+    Before, the layout stayed empty for good (only one of its two EP ranks rejoined),
+    and the replacement waited for a layout that never formed."""
+    serve = _Serve("ffn#0")
+    registry, recovery = _coordinator(serve, 2)
+    alive = {0: EP_LOST}
+
+    async def run() -> None:
+        watch = asyncio.create_task(recovery.watch())
+        reports = asyncio.create_task(_report(registry, recovery, alive))
+        try:
+            registry.rejoin_attention(_attention(0, ffn_peer=1, epoch=3))
+            registry.rejoin_attention(_attention(1, ffn_peer=0, epoch=2))
+            registry.rejoin_ffn(_ffn(0, 3, (0, 1), EP_LOST), (0, 1), 3)
+            recovery.heard(0, EP_LOST)
+            assert registry.layout == (0,) and registry.epoch == 3
+            await _until(lambda: recovery.recovering)
+            replacement = registry.add_ffn(ADDRESS, "ffn#2")
+            serve.states["ffn#2"] = "RUNNING"
+            alive[replacement] = SERVING
+            await _until(lambda: not recovery.recovering)
+        finally:
+            watch.cancel()
+            reports.cancel()
+
+    asyncio.run(run())
+    assert registry.layout == (0, 2) and registry.layout_epoch > 3 and registry.plan is None
+    assert [(m.rank, m.ep_rank, m.state) for m in registry.listed_ffn()] == [(0, 0, READY), (2, 1, READY)]
+    assert [(m.ffn_peer, m.epoch > 3) for m in registry.attention.values()] == [(2, True), (0, True)]
+    (event,) = recovery.events
+    assert event.lost == [1] and event.error is None and event.epoch == registry.layout_epoch, event
+    assert "EP group of epoch 3 lost" in event.cause and "[1] of it never rejoined" in event.cause, event
+
+
+def test_a_layout_whose_every_rank_lost_its_ep_group_is_reformed() -> None:
+    """EP2 layout (0, 1) of epoch 3: both FFN ranks live but report their EP group
+    lost (e.g. it failed as the old coordinator died); both rejoin the restarted
+    coordinator, and no rank is dead, so no death starts a recovery. The layout is
+    re-formed from the same ranks under a newer epoch (same EP ranks, no replacement
+    needed) and the attention ranks are re-peered with their peers under new epochs.
+    Before, the layout was taken as serving and never re-formed: both ranks served
+    nothing until `connector.peer_lost_wait_s` ended their loops."""
+    serve = _Serve("ffn#0", "ffn#1")
+    registry, recovery = _coordinator(serve, 2)
+    alive = {0: EP_LOST, 1: EP_LOST}
+
+    async def run() -> None:
+        watch = asyncio.create_task(recovery.watch())
+        reports = asyncio.create_task(_report(registry, recovery, alive))
+        try:
+            registry.rejoin_attention(_attention(0, ffn_peer=0, epoch=3))
+            registry.rejoin_attention(_attention(1, ffn_peer=1, epoch=3))
+            for rank in (0, 1):
+                registry.rejoin_ffn(_ffn(rank, 3, (0, 1), EP_LOST), (0, 1), 3)
+            assert registry.layout == (0, 1)
+            await _until(lambda: registry.layout_epoch > 3 and not recovery.recovering)
+        finally:
+            watch.cancel()
+            reports.cancel()
+
+    asyncio.run(run())
+    assert registry.layout == (0, 1) and registry.plan is None
+    assert [(m.ffn_peer, m.epoch > 3) for m in registry.attention.values()] == [(0, True), (1, True)]
+    (event,) = recovery.events
+    assert event.lost == [] and event.error is None and "EP group of epoch 3 lost" in event.cause, event
 
 
 def test_a_stray_attention_rank_is_moved_onto_the_layout() -> None:
@@ -103,10 +197,39 @@ def test_a_stray_attention_rank_is_moved_onto_the_layout() -> None:
         watch = asyncio.create_task(recovery.watch())
         try:
             registry.rejoin_attention(_attention(0, ffn_peer=0, epoch=4))
-            registry.rejoin_ffn(_ffn(1, 5, (1,)), 1)
+            registry.rejoin_ffn(_ffn(1, 5, (1,)), (1,), 5)
             await _until(lambda: registry.attention[0].ffn_peer == 1)
         finally:
             watch.cancel()
 
     asyncio.run(run())
     assert registry.attention[0].epoch > 5 and registry.layout == (1,) and not recovery.events
+
+
+def test_a_lost_ep_group_with_a_silent_rank_waits_for_its_death() -> None:
+    """EP2 layout (0, 1), no restart: rank 1 was SIGKILLed, rank 0 reports its EP
+    group lost. While rank 1 is silent, its death (replica vanished, or heartbeat) is
+    what starts the recovery, not the lost group: a plan with the dead rank in it
+    would make rank 0 wait in an EP rendezvous for it. Once every rank reports the
+    group lost for `EP_LOST_GRACE_S`, the layout is re-formed anyway."""
+    from afd_ray.control.recovery import EP_LOST_GRACE_S
+
+    now = [1000.0]
+    cfg = AFDConfig.model_validate({"ffn": {"num_ranks": 2}})
+    registry = Registry("gloo", 5.0, 2)
+    for replica in ("ffn#0", "ffn#1"):
+        registry.update_ffn(registry.add_ffn(ADDRESS, replica), state=READY, epoch=0)  # what its reports say
+    resizer = Resizer(registry, "afd", cfg.attention, cfg.ffn, cfg.autoscale)
+    recovery = Recovery(registry, resizer, "afd", 30.0, 10.0, clock=lambda: now[0])
+    recovery.heard(1, SERVING)
+    recovery.heard(0, EP_LOST)
+    for _ in range(4):
+        now[0] += EP_LOST_GRACE_S / 2
+        recovery.heard(0, EP_LOST)
+    assert recovery.lost_group() == []  # rank 1 silent for 2 x the grace
+    recovery.heard(1, EP_LOST)
+    assert recovery.lost_group() == [0]  # rank 1's report is new, its loss not yet the grace old
+    now[0] += EP_LOST_GRACE_S
+    recovery.heard(0, EP_LOST)
+    recovery.heard(1, EP_LOST)
+    assert recovery.lost_group() == [0, 1]
