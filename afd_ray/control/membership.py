@@ -177,7 +177,10 @@ class FFNMember(_Record):
     epoch: int = -1
     """Layout epoch this rank serves now (-1 before it joined one)."""
     ep_rank: int | None = None
-    """Its EP rank in the coordinator's current layout (None: not in it)."""
+    """Its EP rank in the serving layout as that layout was formed: the shard of
+    experts it holds (None: in no serving layout, e.g. a rank joining it, or GONE).
+    While a new layout is prepared, or a lost one re-formed, it stays the rank's place
+    in the old layout until the new one serves (`Registry.switch_layout`)."""
     loop: LoopState | None = None
     """What its FFN loop did at its latest report (None: no report yet)."""
     steps: int = 0
