@@ -15,6 +15,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -23,7 +24,7 @@ from afd_ray.connector.process_group import new_process_group
 from afd_ray.ffn.ep import EPGroup
 from afd_ray.ffn.model import load_ffn_stack
 from afd_ray.ffn.moe import MoE
-from afd_ray.ffn.runtime import FFNRuntime
+from afd_ray.ffn.runtime import FFNRuntime, LayoutSwitch
 from afd_ray.models.tiny import build_tiny
 
 CPU = torch.device("cpu")
@@ -73,3 +74,38 @@ def test_a_stopped_ep_rank_closes_its_group_so_the_others_fail_fast(tmp_path: Pa
         for rank, runtime in runtimes.items():
             runtime.stop()
             loops[rank].join(TIMEOUT_S)
+
+
+def test_a_layout_prepared_after_the_loop_stopped_closes_its_group(tmp_path: Path) -> None:
+    """FFN rank 0 prepared its EP group of a new layout (epoch 1) with rank 1, but its
+    loop stopped (fenced, or failed) before the group was handed over: the group is
+    shut down on hand-over, so rank 1's collective on it fails at once. Before, the
+    stopped runtime kept it as its pending switch: rank 1 waited the group's full
+    timeout for a rank that would never take part."""
+    checkpoint = build_tiny("qwen3_moe", tmp_path / "qwen3_moe")
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=TIMEOUT_S))
+    groups: dict[int, dist.ProcessGroup] = {}
+
+    def join(rank: int) -> None:
+        client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=TIMEOUT_S))
+        groups[rank] = new_process_group("gloo", dist.PrefixStore("ep/1", client), rank, 2, TIMEOUT_S)
+
+    joiners = [threading.Thread(target=join, args=(rank,)) for rank in range(2)]
+    for thread in joiners:
+        thread.start()
+    for thread in joiners:
+        thread.join(TIMEOUT_S)
+    assert sorted(groups) == [0, 1]
+    stack = load_ffn_stack(checkpoint, torch.float32, CPU, ep_rank=0, ep_size=2)
+    runtime = FFNRuntime(stack, FFNChannel("127.0.0.1", "gloo", TIMEOUT_S), torch.float32, POLL_S, 0.001,
+                         idle_poll_s=IDLE_POLL_S)  # fmt: skip
+    loop = threading.Thread(target=runtime.run)
+    loop.start()
+    runtime.stop()
+    loop.join(TIMEOUT_S)
+    (moe, *_) = [block for block in stack.layers if isinstance(block, MoE)]
+    runtime.prepare_switch(LayoutSwitch(1, stack, EPGroup(groups.pop(0), moe.spec.num_experts, CPU)))
+    started = time.monotonic()
+    with pytest.raises(RuntimeError):
+        groups[1].allreduce([torch.zeros(1)]).wait()
+    assert time.monotonic() - started < TIMEOUT_S / 3, "rank 1 waited on the group the stopped rank prepared"
