@@ -190,13 +190,14 @@ class Recovery:
 
     async def _move_strays(self) -> None:
         """Move READY attention ranks whose FFN peer is outside the serving layout
-        onto it (`placement.stray_moves`), unless the layout is changing or being
-        recovered: after a coordinator restart an attention rank can rejoin peered
-        with a rank that died meanwhile, or one the old coordinator had moved it off
-        before the rank followed."""
+        onto it (`placement.stray_moves`), unless the layout is changing, being
+        recovered, or has lost its EP group (its ranks serve nothing until it is
+        re-formed, and the recovery then re-peers every rank): after a coordinator
+        restart an attention rank can rejoin peered with a rank that died meanwhile,
+        or one the old coordinator had moved it off before the rank followed."""
         registry = self._registry
         busy = registry.plan is not None or self._resizer.layout_lock.locked() or self._unrecovered is not None
-        if not registry.layout or busy:
+        if not registry.layout or busy or any(registry.ffn[r].loop is LoopState.EP_LOST for r in registry.layout):
             return
         moves = stray_moves(registry.attention, registry.layout)
         for rank, peer in moves:

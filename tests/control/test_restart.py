@@ -233,3 +233,20 @@ def test_a_lost_ep_group_with_a_silent_rank_waits_for_its_death() -> None:
     recovery.heard(0, EP_LOST)
     recovery.heard(1, EP_LOST)
     assert recovery.lost_group() == [0, 1]
+
+
+def test_no_stray_is_moved_onto_a_layout_whose_ep_group_is_lost() -> None:
+    """The restart of `test_a_restart_in_the_middle_of_a_recovery_reforms_the_layout`,
+    before the lost group's grace passed: attention rank 0, peered with the dead FFN
+    rank 1, is not moved onto rank 0, which serves nothing until the layout is
+    re-formed (its join there would wait for a loop that reads no header)."""
+    serve = _Serve("ffn#0")
+    registry, recovery = _coordinator(serve, 2)
+
+    async def run() -> None:
+        registry.rejoin_attention(_attention(0, ffn_peer=1, epoch=3))
+        registry.rejoin_ffn(_ffn(0, 3, (0, 1), EP_LOST), (0, 1), 3)
+        await recovery._move_strays()
+
+    asyncio.run(run())
+    assert registry.attention[0].ffn_peer == 1 and registry.attention[0].epoch == 3
