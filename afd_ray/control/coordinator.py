@@ -135,7 +135,10 @@ class Coordinator:
 
     async def register_ffn(self, address: FFNAddress, replica: str = "") -> int:
         """Add an FFN rank serving at `address` (STARTING) in Serve replica `replica`;
-        returns its rank. The first `ffn.num_ranks` ranks form the first layout (epoch 0)."""
+        returns its rank. The first `ffn.num_ranks` ranks form the first layout (epoch 0).
+        After a restart of this coordinator, it first waits (bounded) for the running
+        FFN ranks to rejoin (`Resizer.await_rejoins`)."""
+        await self._resizer.await_rejoins(FFN_DEPLOYMENT, replica)
         rank = self._registry.add_ffn(address, replica)
         await self._registry.notify()
         return rank
@@ -243,6 +246,7 @@ class Coordinator:
         registry = self._registry
         self._joining[replica] = time.monotonic()
         try:
+            await self._resizer.await_rejoins(ATTENTION_DEPLOYMENT, replica)
             await registry.wait(lambda: bool(registry.layout), wait_s)
         finally:
             del self._joining[replica]

@@ -250,3 +250,33 @@ def test_no_stray_is_moved_onto_a_layout_whose_ep_group_is_lost() -> None:
 
     asyncio.run(run())
     assert registry.attention[0].ffn_peer == 1 and registry.attention[0].epoch == 3
+
+
+def test_a_registration_waits_for_the_running_ranks_to_rejoin() -> None:
+    """Serve's handle holds the calls made while the coordinator was down: a new FFN
+    replica's registration can reach the restarted coordinator before the running
+    FFN rank 0 has rejoined. It waits (bounded) until rank 0 rejoined, and gets id 1.
+    Before, it got id 0 at once: rank 0's reports were then taken for the newcomer's,
+    and its rejoin overwrote the newcomer's record."""
+    from afd_ray.control.resize import FFN_DEPLOYMENT
+
+    serve = _Serve("ffn#0")
+    serve.states["ffn#9"] = "STARTING"  # the newcomer, in its constructor
+    cfg = AFDConfig()
+    registry = Registry("gloo", cfg.connector.timeout_s, 1)
+    resizer = Resizer(registry, "afd", cfg.attention, cfg.ffn, cfg.autoscale, replicas=serve)
+
+    async def register() -> int:
+        await resizer.await_rejoins(FFN_DEPLOYMENT, "ffn#9")
+        return registry.add_ffn(ADDRESS, "ffn#9")
+
+    async def run() -> int:
+        newcomer = asyncio.create_task(register())
+        await asyncio.sleep(0.3)
+        assert not newcomer.done()
+        registry.rejoin_ffn(_ffn(0, 2, (0,)), (0,), 2)
+        await registry.notify()
+        return await asyncio.wait_for(newcomer, WITHIN_S)
+
+    assert asyncio.run(run()) == 1
+    assert registry.ffn[0].replica == "ffn#0" and registry.ffn[1].replica == "ffn#9"
