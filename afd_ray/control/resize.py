@@ -170,10 +170,20 @@ class Resizer:
         peers to the remaining ranks, switch the layout without it, mark it GONE.
         Returns once it serves nothing; the replica may then exit.
 
+        A rank this coordinator does not know (it restarted, and the rank has not
+        rejoined yet) is waited for, at most `REJOIN_WAIT_S`; one that does not rejoin
+        hands nothing over (the other ranks' EP group then fails and the layout is
+        re-formed without it, `Recovery.lost_group`).
+
         Raises:
             TimeoutError: not done within `autoscale.resize_timeout_s`.
         """
         registry = self._registry
+        try:
+            await registry.wait(lambda: rank in registry.ffn, REJOIN_WAIT_S)
+        except TimeoutError:
+            logger.warning("FFN rank %d is leaving but never rejoined this coordinator: nothing handed over", rank)
+            return
         if registry.ffn[rank].state is MemberState.GONE:  # found dead: recovery took it out
             return
         async with self.layout_lock:

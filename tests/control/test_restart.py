@@ -86,12 +86,12 @@ async def _until(condition: Callable[[], bool], within_s: float = WITHIN_S) -> N
 
 async def _report(registry: Registry, recovery: Recovery, alive: dict[int, LoopState]) -> None:
     """The FFN ranks in `alive`, as their reports (every 0.02 s here) tell the
-    coordinator: each prepares the pending plan it is in and switches to it at once
-    (as a rank whose EP group is lost does), then serves it."""
+    coordinator: each prepares the pending plan it is in (or leaves by) and switches to
+    it at once (as a rank whose EP group is lost does), then serves it."""
     while True:
         plan = registry.plan
         for rank in list(alive):
-            if plan is not None and rank in plan.ranks:
+            if plan is not None and (rank in plan.ranks or rank == plan.leaving):
                 registry.update_ffn(rank, epoch=plan.epoch)
                 alive[rank] = SERVING
             registry.update_ffn(rank, loop=alive[rank])
@@ -280,3 +280,34 @@ def test_a_registration_waits_for_the_running_ranks_to_rejoin() -> None:
 
     assert asyncio.run(run()) == 1
     assert registry.ffn[0].replica == "ffn#0" and registry.ffn[1].replica == "ffn#9"
+
+
+def test_a_rank_leaving_before_it_rejoined_is_waited_for() -> None:
+    """EP2 layout (0, 1) of epoch 3; the coordinator restarted, and Serve scales the
+    FFN pool in: rank 1's replica stops before rank 1's first report rejoined it.
+    Its `ffn_leaving` waits (bounded) until rank 1 rejoined, then hands its experts and
+    peers over as a scale-in does: the layout is (0,) under a newer epoch and rank 1 is
+    GONE. Before, `ffn_leaving` raised KeyError: 1 and rank 1 left without handing
+    anything over (rank 0's EP group failed)."""
+    serve = _Serve("ffn#0", "ffn#1")
+    registry, recovery = _coordinator(serve, 1)
+    cfg = AFDConfig.model_validate({"ffn": {"num_ranks": 1}})
+    resizer = Resizer(registry, "afd", cfg.attention, cfg.ffn, cfg.autoscale, replicas=serve)
+    alive = {0: SERVING}
+
+    async def run() -> None:
+        reports = asyncio.create_task(_report(registry, recovery, alive))
+        try:
+            registry.rejoin_ffn(_ffn(0, 3, (0, 1)), (0, 1), 3)
+            leaving = asyncio.create_task(resizer.ffn_leaving(1))
+            await asyncio.sleep(0.3)
+            assert not leaving.done()
+            registry.rejoin_ffn(_ffn(1, 3, (0, 1)), (0, 1), 3)
+            alive[1] = SERVING
+            await registry.notify()
+            await asyncio.wait_for(leaving, WITHIN_S)
+        finally:
+            reports.cancel()
+
+    asyncio.run(run())
+    assert registry.layout == (0,) and registry.layout_epoch > 3 and registry.ffn[1].state is GONE
