@@ -211,9 +211,10 @@ class AttentionServer:
             except Exception:  # the coordinator is restarting: poll again
                 logger.warning("attention rank %d: poll of the coordinator failed", self.rank, exc_info=True)
                 continue
-            if directive.assignment.epoch > self._assignment.epoch:
+            assignment = directive.assignment
+            if assignment is not None and assignment.epoch > self._assignment.epoch:
                 try:
-                    await self._repeer(directive.assignment)
+                    await self._repeer(assignment)
                 except Exception:  # logged; the next poll retries
                     logger.exception("attention rank %d: re-peering failed", self.rank)
             if directive.state is MemberState.DRAINING and not self._draining.is_set():
@@ -248,10 +249,11 @@ class AttentionServer:
                     directive = await self._coordinator.attention_poll.remote(self.rank)
                 except Exception:  # the coordinator is restarting
                     directive = None
-                if directive is not None and directive.assignment.epoch > held.epoch:
+                new = directive.assignment if directive is not None else None
+                if new is not None and new.epoch > held.epoch:
                     break
                 await asyncio.sleep(_WATCH_PERIOD_S / 2)
-            assignment = self._with_rescue(directive.assignment)
+            assignment = self._with_rescue(new)
             self._assignment = assignment  # `_watch` must not re-peer the engine once more
             os.environ[ASSIGNMENT_ENV] = assignment.model_dump_json()
             await self._rescue.send_string(assignment.model_dump_json())

@@ -135,7 +135,10 @@ class Coordinator:
 
     async def register_ffn(self, address: FFNAddress, replica: str = "") -> int:
         """Add an FFN rank serving at `address` (STARTING) in Serve replica `replica`;
-        returns its rank. The first `ffn.num_ranks` ranks form the first layout (epoch 0)."""
+        returns its rank. The first `ffn.num_ranks` ranks form the first layout (epoch 0).
+        After a restart of this coordinator, it first waits (bounded) for the running
+        FFN ranks to rejoin (`Resizer.await_rejoins`)."""
+        await self._resizer.await_rejoins(FFN_DEPLOYMENT, replica)
         rank = self._registry.add_ffn(address, replica)
         await self._registry.notify()
         return rank
@@ -201,11 +204,13 @@ class Coordinator:
             await registry.notify()
         return registry.ffn_directive(rank, epoch)
 
-    async def rejoin_ffn(self, member: FFNMember, ep_size: int) -> None:
+    async def rejoin_ffn(self, member: FFNMember, layout: tuple[int, ...], preparing: int) -> None:
         """A running FFN rank re-registers after this coordinator restarted: `member`
-        as it knows itself (address, replica, the epoch and EP rank it serves), in a
-        layout of `ep_size` ranks."""
-        self._registry.rejoin_ffn(member, ep_size)
+        as it knows itself (address, replica, the epoch, EP rank and loop state it
+        serves), the FFN ranks of that layout in EP order, and the newest layout epoch
+        it was asked to prepare (`Registry.rejoin_ffn`)."""
+        self._registry.rejoin_ffn(member, tuple(layout), preparing)
+        self._recovery.heard(member.rank, member.loop or LoopState.SERVING)
         await self._registry.notify()
 
     async def rejoin_attention(self, member: AttentionMember) -> None:
@@ -241,6 +246,7 @@ class Coordinator:
         registry = self._registry
         self._joining[replica] = time.monotonic()
         try:
+            await self._resizer.await_rejoins(ATTENTION_DEPLOYMENT, replica)
             await registry.wait(lambda: bool(registry.layout), wait_s)
         finally:
             del self._joining[replica]
@@ -258,10 +264,7 @@ class Coordinator:
         """What attention rank `rank` must do now: its state (DRAINING once Serve
         stops its replica) and its current FFN peer; None: this coordinator restarted
         and does not know the rank, which must `rejoin_attention`."""
-        registry = self._registry
-        if rank not in registry.attention:
-            return None
-        return AttentionDirective(state=registry.attention[rank].state, assignment=registry.attention_assignment(rank))
+        return self._registry.attention_directive(rank)
 
     async def attention_peered(self, rank: int, epoch: int) -> None:
         """Attention rank `rank` re-peered: its pair channel of `epoch` is open."""

@@ -112,6 +112,9 @@ class EPAssignment(_Record):
     epoch: int
     backend: str
     timeout_s: float
+    ranks: tuple[int, ...] = ()
+    """The FFN ranks of that layout in EP order (what the rank tells a restarted
+    coordinator, `Registry.rejoin_ffn`)."""
 
 
 class LayoutPlan(_Record):
@@ -145,9 +148,10 @@ class AttentionDirective(_Record):
     """What the coordinator wants of one attention rank now (it polls for it)."""
 
     state: MemberState
-    assignment: AttentionAssignment
+    assignment: AttentionAssignment | None
     """Its current FFN peer; when its epoch is newer than the pairing the rank holds,
-    the rank re-peers between two engine steps."""
+    the rank re-peers between two engine steps. None: the coordinator (restarted)
+    does not know that FFN peer yet; the rank keeps the pairing it holds."""
 
 
 class ScaleRequest(_Record):
@@ -173,7 +177,10 @@ class FFNMember(_Record):
     epoch: int = -1
     """Layout epoch this rank serves now (-1 before it joined one)."""
     ep_rank: int | None = None
-    """Its EP rank in the coordinator's current layout (None: not in it)."""
+    """Its EP rank in the serving layout as that layout was formed: the shard of
+    experts it holds (None: in no serving layout, e.g. a rank joining it, or GONE).
+    While a new layout is prepared, or a lost one re-formed, it stays the rank's place
+    in the old layout until the new one serves (`Registry.switch_layout`)."""
     loop: LoopState | None = None
     """What its FFN loop did at its latest report (None: no report yet)."""
     steps: int = 0

@@ -25,6 +25,7 @@ __all__ = [
     "peer_load",
     "rebalance_moves",
     "reformed_layout",
+    "stray_moves",
 ]
 
 
@@ -79,6 +80,24 @@ def rebalance_moves(attention: Mapping[int, AttentionMember], ranks: Sequence[in
             return moves
         peers[member.rank] = member.model_copy(update={"ffn_peer": idlest})
         moves.append((member.rank, idlest))
+
+
+def stray_moves(attention: Mapping[int, AttentionMember], ranks: Sequence[int]) -> list[tuple[int, int]]:
+    """The moves `(attention rank, new FFN peer)` of the READY attention ranks peered
+    with an FFN rank outside `ranks` (lowest attention rank first), each to the least
+    loaded rank of `ranks` then (lowest on ties); no other rank moves.
+
+    Raises:
+        ValueError: `ranks` is empty and a rank must move.
+    """
+    peers = dict(attention)
+    moves: list[tuple[int, int]] = []
+    for rank, member in sorted(attention.items()):
+        if member.state is MemberState.READY and member.ffn_peer not in ranks:
+            peer = least_loaded(peer_load(peers, ranks))
+            peers[rank] = member.model_copy(update={"ffn_peer": peer})
+            moves.append((rank, peer))
+    return moves
 
 
 def reformed_layout(old: Sequence[int], live: Sequence[int], joining: Sequence[int], target: int) -> tuple[int, ...]:

@@ -49,17 +49,24 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from afd_ray.control.membership import LoopState, MemberState, RecoveryEvent
-from afd_ray.control.placement import joining, rebalance_moves, reformed_layout
+from afd_ray.control.placement import joining, rebalance_moves, reformed_layout, stray_moves
 from afd_ray.control.registry import Plan, Registry
 from afd_ray.control.resize import FFN_DEPLOYMENT, WATCH_PERIOD_S, Resizer
 from afd_ray.control.serve_api import replica_states
 
-__all__ = ["RETRY_S", "Recovery"]
+__all__ = ["EP_LOST_GRACE_S", "RETRY_S", "Recovery"]
 
 logger = logging.getLogger("ray.serve")
 
 RETRY_S = 5.0
 """Longest wait before a failed recovery is tried again, seconds (`wait_s` when shorter)."""
+EP_LOST_GRACE_S = 1.0
+"""How long ranks of the serving layout report its EP group lost, every rank of it
+reporting, with none found dead, before the layout is re-formed anyway
+(`Recovery.lost_group`), seconds: the other ranks of a layout told to a restarted
+coordinator rejoin within their report period (0.2 s). A rank of the layout silent
+that long is more likely the dead one that broke the group: its death is found first
+(its replica vanished, or its heartbeat)."""
 
 
 @dataclass(frozen=True)
@@ -103,6 +110,8 @@ class Recovery:
         """Monotonic time of each FFN rank's latest report."""
         self._stopped: dict[int, str] = {}
         """FFN ranks that reported their loop stopped, and why."""
+        self._ep_lost: dict[int, float] = {}
+        """FFN ranks whose latest reports said their EP group is lost, since when (monotonic)."""
         self.events: list[RecoveryEvent] = []
         self._bytes = 0
         self._unrecovered: _Loss | None = None
@@ -119,6 +128,24 @@ class Recovery:
         self._last_report[rank] = self._clock()
         if loop is LoopState.STOPPED and self._registry.ffn[rank].state is not MemberState.GONE:
             self._stopped.setdefault(rank, "its FFN loop stopped")
+        if loop is LoopState.EP_LOST:
+            self._ep_lost.setdefault(rank, self._clock())
+        else:
+            self._ep_lost.pop(rank, None)
+
+    def lost_group(self) -> list[int]:
+        """Ranks of the serving layout that have reported its EP group lost for
+        `EP_LOST_GRACE_S` or longer, while every rank of it reported within that time,
+        no loss is being recovered from and no plan is pending: the layout must be
+        re-formed although the coordinator found no rank of it dead (the dead one was
+        unknown to a restarted coordinator, or the group failed with every rank alive)."""
+        registry = self._registry
+        now = self._clock()
+        silent = any(now - self._last_report.get(r, now - EP_LOST_GRACE_S) >= EP_LOST_GRACE_S for r in registry.layout)
+        if self._unrecovered is not None or registry.plan is not None or silent:
+            return []
+        return [r for r in registry.layout if registry.ffn[r].epoch == registry.layout_epoch
+                and now - self._ep_lost.get(r, now) >= EP_LOST_GRACE_S]  # fmt: skip
 
     def record_bytes(self, num_bytes: int) -> None:
         """A rank loaded `num_bytes` for a layout while recovering."""
@@ -153,11 +180,30 @@ class Recovery:
         while True:
             await asyncio.sleep(WATCH_PERIOD_S)
             dead = self.dead(await self._states())
-            if dead or (self._unrecovered is not None and time.monotonic() >= self._retry_at):
-                try:
+            try:
+                if dead or self.lost_group() or (self._unrecovered is not None and time.monotonic() >= self._retry_at):
                     await self._recover(dead)
-                except Exception:
-                    logger.exception("FFN recovery failed")
+                else:
+                    await self._move_strays()
+            except Exception:
+                logger.exception("FFN recovery failed")
+
+    async def _move_strays(self) -> None:
+        """Move READY attention ranks whose FFN peer is outside the serving layout
+        onto it (`placement.stray_moves`), unless the layout is changing, being
+        recovered, or has lost its EP group (its ranks serve nothing until it is
+        re-formed, and the recovery then re-peers every rank): after a coordinator
+        restart an attention rank can rejoin peered with a rank that died meanwhile,
+        or one the old coordinator had moved it off before the rank followed."""
+        registry = self._registry
+        busy = registry.plan is not None or self._resizer.layout_lock.locked() or self._unrecovered is not None
+        if not registry.layout or busy or any(registry.ffn[r].loop is LoopState.EP_LOST for r in registry.layout):
+            return
+        moves = stray_moves(registry.attention, registry.layout)
+        for rank, peer in moves:
+            registry.repeer(rank, peer)
+        if moves:
+            await registry.notify()
 
     async def _until(self, condition: Callable[[], bool], deadline: float) -> dict[int, str]:
         """Until `condition()` holds (then `{}`) or an FFN rank is found dead (then the
@@ -178,12 +224,27 @@ class Recovery:
                 pass
 
     def _remove(self, dead: dict[int, str]) -> None:
+        """Take the `dead` ranks out (GONE, out of the layout); those of the layout the
+        loss being recovered from broke join its event's `lost` (the first found
+        gives its cause when the loss began without a known dead rank)."""
         registry = self._registry
         for rank, cause in dead.items():
             logger.warning("FFN rank %d is dead: %s", rank, cause)
             registry.update_ffn(rank, state=MemberState.GONE, ep_rank=None)
             self._stopped.pop(rank, None)
+            self._ep_lost.pop(rank, None)
         registry.layout = tuple(r for r in registry.layout if r not in dead)
+        loss = self._unrecovered
+        lost = sorted(r for r in dead if loss is not None and r in loss.before)
+        if loss is not None and lost:
+            event = self.events[loss.event]
+            update: dict[str, object] = {"lost": sorted({*event.lost, *lost})}
+            if not event.lost:
+                update |= {"cause": dead[lost[0]], "since_report_s": self._since_report(lost[0])}
+            self.events[loss.event] = event.model_copy(update=update)
+
+    def _since_report(self, rank: int) -> float:
+        return self._clock() - self._last_report.get(rank, self._clock())
 
     async def _recover(self, dead: dict[int, str]) -> None:
         """Take the `dead` ranks out and re-form the layout (again, for a loss not
@@ -191,23 +252,22 @@ class Recovery:
         joined yet) are only retired."""
         registry = self._registry
         async with self._resizer.layout_lock:
-            lost = sorted(r for r in dead if r in registry.layout or (registry.plan and r in registry.plan.ranks))
-            loss, before = self._unrecovered, registry.layout
-            if loss is None and lost:
-                first = lost[0]
-                since = self._clock() - self._last_report.get(first, self._clock())
-                event = RecoveryEvent(lost=lost, cause=dead[first], detected_s=time.time(), since_report_s=since)
+            before = registry.formed_layout()
+            lost = sorted(r for r in dead if r in before or (registry.plan and r in registry.plan.ranks))
+            loss, group = self._unrecovered, self.lost_group()
+            if loss is None and (lost or group):
+                event = self._loss_event(before, lost, dead, group)
                 loss = _Loss(before, len(self.events), time.monotonic())
                 self.events.append(event)
                 self._bytes = 0
+            self._unrecovered = loss
             self._remove(dead)
             await registry.notify()
             if loss is None:  # a rank that had not joined a layout yet: Serve replaces it
                 registry.retire_gone_ffn(self._resizer.targets[FFN_DEPLOYMENT])
                 return
             event = self.events[loss.event]
-            event = event.model_copy(update={"lost": sorted({*event.lost, *lost}), "attempts": event.attempts + 1})
-            self._unrecovered = loss
+            self.events[loss.event] = event.model_copy(update={"attempts": event.attempts + 1})
             try:
                 plan = await asyncio.wait_for(self._reform(loss.before), self._wait_s)
                 moves = rebalance_moves(registry.attention, plan.ranks)
@@ -224,13 +284,29 @@ class Recovery:
                 update = {"epoch": plan.epoch, "whole_s": time.monotonic() - loss.detected, "bytes_loaded": self._bytes,
                           "error": None}  # fmt: skip
                 logger.info("FFN layout recovered: EP ranks %s (epoch %d) %.1f s after losing %s", plan.ranks,
-                            plan.epoch, update["whole_s"], event.lost)  # fmt: skip
+                            plan.epoch, update["whole_s"], self.events[loss.event].lost)  # fmt: skip
             except Exception as exc:
                 registry.plan = None  # the plan this attempt published, if any: no rank prepares it any more
                 self._retry_at = time.monotonic() + min(RETRY_S, self._wait_s)
                 update = {"error": f"{type(exc).__name__}: {exc}"}
-                logger.exception("FFN recovery of %s failed (attempt %d); it is retried", event.lost, event.attempts)
-            self.events[loss.event] = event.model_copy(update=update)
+                logger.exception("FFN recovery of %s failed (attempt %d); it is retried", self.events[loss.event].lost,
+                                 self.events[loss.event].attempts)  # fmt: skip
+            self.events[loss.event] = self.events[loss.event].model_copy(update=update)
+
+    def _loss_event(
+        self, before: tuple[int, ...], lost: list[int], dead: dict[int, str], group: list[int]
+    ) -> RecoveryEvent:
+        """The event of a new loss of the layout `before`: its `lost` ranks found dead,
+        or, with none, ranks of `before` this coordinator does not know (they never
+        rejoined it: dead) and the ranks whose EP group failed (`group`)."""
+        if lost:
+            first = lost[0]
+            return RecoveryEvent(lost=lost, cause=dead[first], detected_s=time.time(),
+                                 since_report_s=self._since_report(first))  # fmt: skip
+        unknown = [r for r in before if r not in self._registry.ffn]
+        cause = (f"FFN ranks {group} reported their EP group of epoch {self._registry.layout_epoch} lost"
+                 + (f"; FFN ranks {unknown} of it never rejoined this coordinator" if unknown else ""))  # fmt: skip
+        return RecoveryEvent(lost=unknown, cause=cause, detected_s=time.time(), since_report_s=0.0)
 
     async def _reform(self, before: tuple[int, ...]) -> Plan:
         """Form the layout from the live ranks and the replacements, under a new epoch;

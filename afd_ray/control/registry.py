@@ -20,11 +20,13 @@ from afd_ray.connector.channel import FFNAddress
 from afd_ray.connector.link import TransportChoice, select_transport
 from afd_ray.control.membership import (
     AttentionAssignment,
+    AttentionDirective,
     AttentionMember,
     EPAssignment,
     FFNDirective,
     FFNMember,
     LayoutPlan,
+    LoopState,
     MemberState,
 )
 from afd_ray.control.placement import least_loaded, peer_load
@@ -69,6 +71,11 @@ class Registry:
         self.ffn: dict[int, FFNMember] = {}
         self.attention: dict[int, AttentionMember] = {}
         self._next_attention = 0
+        self._next_ffn = 0
+        """Above every FFN rank id this registry heard of: its members, the layouts and
+        FFN peers that members rejoined with (a new rank never reuses an id)."""
+        self._formed_as: tuple[int, ...] = ()
+        """`formed_layout`."""
         self.vanished: set[int] = set()
         """Attention ranks whose replica vanished without leaving (their FFN peer drops them)."""
         self.retired: set[int] = set()
@@ -81,6 +88,8 @@ class Registry:
         pool had its target READY ranks again (`retire_gone_attention`): not listed any
         more; their records stay, so that a late poll of one still reads GONE (it never
         rejoins) and its id is never reused."""
+        self._told: dict[int, tuple[int, ...]] = {}
+        """The layout (EP order) of each epoch as the ranks that rejoined told it."""
         self._formed = False
         """A first layout formed, or members rejoined (a restarted coordinator):
         registering ranks no longer form the first layout."""
@@ -96,30 +105,45 @@ class Registry:
     def add_ffn(self, address: FFNAddress, replica: str = "") -> int:
         """A new FFN rank (STARTING) serving at `address` in Serve replica `replica`;
         the first `first_layout_size` ranks form the first layout."""
-        rank = max(self.ffn, default=-1) + 1
+        rank = self._next_ffn
+        self._next_ffn += 1
         self.ffn[rank] = FFNMember(rank=rank, address=address, replica=replica)
         if not self._formed and len(self.ffn) == self._first_layout_size:
             self.layout, self._formed = tuple(sorted(self.ffn)), True
+            self._formed_as = self.layout
         return rank
 
-    def rejoin_ffn(self, member: FFNMember, ep_size: int) -> None:
+    def rejoin_ffn(self, member: FFNMember, layout: tuple[int, ...], preparing: int) -> None:
         """A running FFN rank re-registers after a coordinator restart with its record
-        (`epoch` and `ep_rank` of the layout it serves). Once `ep_size` ranks of the
-        newest layout epoch rejoined, they are the layout again.
+        (`epoch`, `ep_rank` and `loop` of the layout it serves), the FFN ranks of that
+        layout in EP order (`layout`, () when it serves none) and the newest layout
+        epoch it was asked to prepare (`preparing`; the epoch counter continues past
+        it, so no new plan reuses an epoch the rank already prepares).
+
+        Once every rank of the newest rejoined layout rejoined, they are the layout
+        again. A layout whose rejoined ranks report their EP group lost
+        (`LoopState.EP_LOST`) is one whose other ranks died (or whose group failed):
+        its rejoined ranks are the layout at once, and the recovery re-forms it from
+        them and the layout as formed (`formed_layout`), as after any FFN loss.
 
         The fence survives the restart: a rank that serves a layout older than the one
         rejoined, and is not in it, was removed from the layout (found dead) by the
         coordinator before its restart, so it is GONE here (fenced at its next
         report), whether it rejoins before or after that layout is complete."""
         self.ffn[member.rank] = member
-        self.epoch = max(self.epoch, member.epoch)
+        self.epoch = max(self.epoch, member.epoch, preparing)
         self._formed = True
+        self._next_ffn = max(self._next_ffn, member.rank + 1, *(r + 1 for r in layout))
+        if member.ep_rank is not None:
+            self._told[member.epoch] = layout
         serving = [m for m in self.ffn.values() if m.ep_rank is not None and m.state is not MemberState.GONE]
         newest = max((m.epoch for m in serving), default=0)
-        layout = sorted((m for m in serving if m.epoch == newest), key=lambda m: m.ep_rank)
-        if len(layout) == ep_size and newest >= self.layout_epoch:
-            self.layout, self.layout_epoch = tuple(m.rank for m in layout), newest
-            logger.info("FFN layout of epoch %d rejoined: EP ranks %s", newest, self.layout)
+        told = self._told.get(newest, ())
+        joined = tuple(r for r in told if any(m.rank == r and m.epoch == newest for m in serving))
+        lost_group = any(self.ffn[r].loop is LoopState.EP_LOST for r in joined)
+        if self.plan is None and joined and (joined == told or lost_group) and newest >= self.layout_epoch:
+            self.layout, self.layout_epoch, self._formed_as = joined, newest, told
+            logger.info("FFN layout of epoch %d rejoined: EP ranks %s of %s", newest, joined, told)
         for stale in (m for m in serving if m.epoch < self.layout_epoch and m.rank not in self.layout):
             self.update_ffn(stale.rank, state=MemberState.GONE, ep_rank=None)
             logger.warning("FFN rank %d rejoined with the layout of epoch %d, older than the layout of epoch %d "
@@ -132,6 +156,7 @@ class Registry:
         self.epoch = max(self.epoch, member.epoch)
         self._formed = True
         self._next_attention = max(self._next_attention, member.rank + 1)
+        self._next_ffn = max(self._next_ffn, member.ffn_peer + 1)
         logger.info("attention rank %d rejoined (FFN peer %d, epoch %d)", member.rank, member.ffn_peer, member.epoch)
 
     def update_ffn(self, rank: int, **update: object) -> None:
@@ -183,9 +208,15 @@ class Registry:
         GONE rank stays listed while the layout it left is not whole again)."""
         return [m for r, m in sorted(self.ffn.items()) if r not in self.retired]
 
+    def formed_layout(self) -> tuple[int, ...]:
+        """The serving layout in EP order as it was formed (the first layout, a switch,
+        or what the ranks that rejoined a restarted coordinator told): `layout` plus
+        the ranks since found dead, or that never rejoined (dead too)."""
+        return self._formed_as
+
     def switch_layout(self, plan: Plan) -> None:
         """`plan` serves: its ranks become the layout, READY, with their EP ranks."""
-        self.layout, self.layout_epoch, self.plan = plan.ranks, plan.epoch, None
+        self.layout, self.layout_epoch, self.plan, self._formed_as = plan.ranks, plan.epoch, None, plan.ranks
         for r in plan.ranks:
             member = self.ffn[r]
             self.update_ffn(r, state=member.state.to(MemberState.READY), ep_rank=plan.ranks.index(r))
@@ -199,7 +230,7 @@ class Registry:
         host = self.ffn[ranks[0]].address
         return EPAssignment(
             ep_rank=ranks.index(rank), ep_size=len(ranks), host=host.host, store_port=host.store_port,
-            epoch=epoch, backend=self.backend, timeout_s=self.timeout_s,
+            epoch=epoch, backend=self.backend, timeout_s=self.timeout_s, ranks=ranks,
         )  # fmt: skip
 
     def attention_assignment(self, rank: int) -> AttentionAssignment:
@@ -213,6 +244,18 @@ class Registry:
             control_port=address.control_port, epoch=member.epoch,
             transport=select_transport(self.transport, self.backend, same_node), timeout_s=self.timeout_s,
         )  # fmt: skip
+
+    def attention_directive(self, rank: int) -> AttentionDirective | None:
+        """What attention rank `rank` must do now (`Coordinator.attention_poll`); None:
+        this registry does not know the rank (the coordinator restarted), which must
+        rejoin. Its assignment is None while its FFN peer is unknown here (a restarted
+        coordinator before that rank rejoined, or a rank that died before the restart):
+        the rank keeps the pairing it holds until it is moved (`stray_moves`)."""
+        member = self.attention.get(rank)
+        if member is None:
+            return None
+        assignment = self.attention_assignment(rank) if member.ffn_peer in self.ffn else None
+        return AttentionDirective(state=member.state, assignment=assignment)
 
     def ffn_directive(self, rank: int, epoch: int) -> FFNDirective:
         """The answer to FFN rank `rank` serving `epoch`: the pending plan it must

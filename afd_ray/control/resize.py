@@ -44,6 +44,9 @@ _SETTLE_S = 0.5
 the step-boundary pauses it caused (they report every 0.2 s), seconds."""
 WATCH_PERIOD_S = 0.5
 """How often the coordinator reads Serve's replica states (draining, dead ranks)."""
+REJOIN_WAIT_S = 5.0
+"""Longest wait of a registering member for the running members of its pool to rejoin
+a restarted coordinator (they do within one report or poll, 0.2-0.5 s), seconds."""
 
 
 class Resizer:
@@ -167,10 +170,20 @@ class Resizer:
         peers to the remaining ranks, switch the layout without it, mark it GONE.
         Returns once it serves nothing; the replica may then exit.
 
+        A rank this coordinator does not know (it restarted, and the rank has not
+        rejoined yet) is waited for, at most `REJOIN_WAIT_S`; one that does not rejoin
+        hands nothing over (the other ranks' EP group then fails and the layout is
+        re-formed without it, `Recovery.lost_group`).
+
         Raises:
             TimeoutError: not done within `autoscale.resize_timeout_s`.
         """
         registry = self._registry
+        try:
+            await registry.wait(lambda: rank in registry.ffn, REJOIN_WAIT_S)
+        except TimeoutError:
+            logger.warning("FFN rank %d is leaving but never rejoined this coordinator: nothing handed over", rank)
+            return
         if registry.ffn[rank].state is MemberState.GONE:  # found dead: recovery took it out
             return
         async with self.layout_lock:
@@ -225,6 +238,26 @@ class Resizer:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"Serve did not run {num_replicas} {deployment} replicas within {wait_s} s")
             await asyncio.sleep(WATCH_PERIOD_S / 2)
+
+    async def await_rejoins(self, deployment: str, replica: str) -> None:
+        """Until every replica of `deployment` that Serve runs, other than `replica`,
+        is a member here, at most `REJOIN_WAIT_S`: a restarted coordinator must not
+        hand a new member the rank id of a running one that has not rejoined yet (its
+        reports would then be taken for the newcomer's). Without a restart every
+        running replica is a member already, and this returns at once."""
+        registry = self._registry
+        try:
+            states = await self._replicas(self._app, deployment)
+        except Exception:  # the application is still being deployed: nothing runs yet
+            logger.debug("replica states unavailable", exc_info=True)
+            return
+        running = {r for r, state in states.items() if state == "RUNNING" and r != replica}
+        members = registry.attention if deployment == ATTENTION_DEPLOYMENT else registry.ffn
+        try:
+            await registry.wait(lambda: running <= {m.replica for m in members.values()}, REJOIN_WAIT_S)
+        except TimeoutError:
+            logger.warning("%s replicas %s did not rejoin within %.0f s; %s registers anyway", deployment,
+                           sorted(running - {m.replica for m in members.values()}), REJOIN_WAIT_S, replica)  # fmt: skip
 
     async def follow_serve_targets(self) -> None:
         """Take the pools' targets from Serve's replica counts once (a restarted

@@ -172,6 +172,10 @@ class FFNRuntime:
         self.left = False
         """This rank left the layout (it serves no step any more)."""
         self._pending: LayoutSwitch | None = None
+        self._closed = False
+        """`run()` ended and closed its groups: a layout handed over later is closed at once."""
+        self._pending_lock = threading.Lock()
+        """Orders `prepare_switch` against the closing of the groups at the end of `run()`."""
         self._dead: frozenset[int] = frozenset()
         self._pause_s = 0.0
         self._dtype = dtype
@@ -258,15 +262,13 @@ class FFNRuntime:
         """Shut down the serving EP group and a prepared one, if any, and drop every
         reference to them: a gloo group closes its connections (the other ranks'
         collectives fail with "connection closed") only once it is destroyed;
-        `shutdown()` alone leaves them waiting out the timeout."""
-        prepared = self._pending.ep if self._pending is not None else None
-        for ep in (self.ep, prepared):
-            if ep is not None:
-                try:
-                    ep.group.shutdown()
-                except RuntimeError:
-                    logger.debug("shutting down an EP group raised", exc_info=True)
-        self.ep, self._pending, self._compute = None, None, None  # FFNGraphs holds the serving group too
+        `shutdown()` alone leaves them waiting out the timeout. A layout handed over
+        after this (its preparation ended after the loop) is closed by
+        `prepare_switch`."""
+        with self._pending_lock:
+            pending, self._pending, self._closed = self._pending, None, True
+        _shutdown(self.ep, pending.ep if pending is not None else None)
+        self.ep, self._compute = None, None  # FFNGraphs holds the serving group too
 
     def _ep_step(
         self, steps: list[StepHeader], arrived: dict[int, float], first_layer: int, ready: bool
@@ -337,8 +339,17 @@ class FFNRuntime:
 
     def prepare_switch(self, switch: LayoutSwitch) -> None:
         """Hand over a prepared layout; `run()` switches to it at the first step
-        boundary where every rank of the current EP group has one (thread-safe)."""
-        self._pending = switch
+        boundary where every rank of the current EP group has one (thread-safe).
+        Once `run()` has ended, its EP group is shut down at once instead (and no
+        reference kept), so the other ranks of that layout fail over rather than
+        wait out its timeout for this rank."""
+        with self._pending_lock:
+            if not self._closed:
+                self._pending = switch
+                return
+        logger.warning("FFN layout of epoch %d handed over after the loop ended: its EP group is closed",
+                       switch.epoch)  # fmt: skip
+        _shutdown(switch.ep)
 
     def drop_peers(self, peers: list[int]) -> None:
         """Attention peers that died without LEAVE: `run()` removes their pairs at the
@@ -540,3 +551,13 @@ def _ubatches(steps: list[StepHeader], count: int) -> list[list[StepHeader]]:
     empty: an EP rank without local rows), dealt round robin in peer order."""
     count = max(1, min(count, len(steps)))
     return [steps[i::count] for i in range(count)]
+
+
+def _shutdown(*groups: EPGroup | None) -> None:
+    """Shut down each EP group given (None: none); the caller drops its references."""
+    for ep in groups:
+        if ep is not None:
+            try:
+                ep.group.shutdown()
+            except RuntimeError:
+                logger.debug("shutting down an EP group raised", exc_info=True)

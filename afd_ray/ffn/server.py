@@ -116,6 +116,8 @@ class FFNServer:
             await coordinator.ffn_loaded.remote(self.rank, assignment.epoch, stack.loaded_bytes)
         ep = await self._ep_group(stack, assignment)
         self._shard = (assignment.ep_rank, assignment.ep_size)
+        self._layouts = {assignment.epoch: assignment.ranks}
+        """The FFN ranks in EP order of each layout this rank served or prepares, by epoch."""
         self._preparing = assignment.epoch
         self._fenced = False
         """The coordinator removed this rank: it serves nothing and fails its health check."""
@@ -194,18 +196,21 @@ class FFNServer:
         self._runtime.stop()
 
     async def _rejoin(self) -> None:
-        """Re-register with a restarted coordinator: this rank, its address and the
-        layout epoch and EP rank it serves (the loop kept serving meanwhile)."""
+        """Re-register with a restarted coordinator: this rank, its address, the
+        layout it serves (epoch, its FFN ranks, this rank's EP rank in it), what its
+        loop does, and the newest layout epoch it was asked to prepare (the loop kept
+        serving meanwhile)."""
         runtime = self._runtime
-        ep_rank, ep_size = self._shard
+        epoch, loop = runtime.epoch, self._loop_state()
+        layout = () if runtime.left else self._layouts.get(epoch, ())
         member = FFNMember(
-            rank=self.rank, address=self._address, replica=self._replica, epoch=runtime.epoch,
-            state=MemberState.READY if self._loop.is_alive() and not runtime.left else MemberState.GONE,
-            ep_rank=None if runtime.left else ep_rank,
+            rank=self.rank, address=self._address, replica=self._replica, epoch=epoch,
+            state=MemberState.READY if loop is not LoopState.STOPPED and layout else MemberState.GONE,
+            ep_rank=layout.index(self.rank) if self.rank in layout else None, loop=loop,
         )  # fmt: skip
-        await self._coordinator.rejoin_ffn.remote(member, ep_size)
-        logger.info("FFN rank %d rejoined the coordinator (epoch %d, EP %d/%d)", self.rank, runtime.epoch, ep_rank,
-                    ep_size)  # fmt: skip
+        await self._coordinator.rejoin_ffn.remote(member, layout, self._preparing)
+        logger.info("FFN rank %d rejoined the coordinator (epoch %d, layout %s, loop %s)", self.rank, epoch, layout,
+                    loop.value)  # fmt: skip
 
     async def _prepare(self, plan: LayoutPlan) -> None:
         """Make before break: build this rank's shard of the layout of `plan` (unless
@@ -214,9 +219,11 @@ class FFNServer:
         serving; then hand both to the loop."""
         runtime = self._runtime
         assignment = plan.assignment
+        self._layouts = {e: ranks for e, ranks in self._layouts.items() if e >= runtime.epoch}
         if assignment is None:
             runtime.prepare_switch(LayoutSwitch(plan.epoch, runtime.model, None, leave=True))
             return
+        self._layouts[plan.epoch] = assignment.ranks
         stack = runtime.model
         shard = (assignment.ep_rank, assignment.ep_size)
         if _is_moe(stack) and shard != self._shard:

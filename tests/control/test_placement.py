@@ -208,10 +208,10 @@ def test_registry_rebuilds_the_layout_from_rejoining_members() -> None:
     the newest epoch is whole once all its EP ranks rejoined, new ranks go after them."""
     registry = Registry("gloo", 5.0, 2)
     address = FFNAddress("h", 1, 2)
-    registry.rejoin_ffn(FFNMember(rank=3, address=address, state=READY, epoch=4, ep_rank=1), ep_size=2)
+    registry.rejoin_ffn(FFNMember(rank=3, address=address, state=READY, epoch=4, ep_rank=1), (2, 3), 4)
     assert registry.layout == ()
-    registry.rejoin_ffn(FFNMember(rank=1, address=address, state=GONE, epoch=2), ep_size=2)
-    registry.rejoin_ffn(FFNMember(rank=2, address=address, state=READY, epoch=4, ep_rank=0), ep_size=2)
+    registry.rejoin_ffn(FFNMember(rank=1, address=address, state=GONE, epoch=2), (), 2)
+    registry.rejoin_ffn(FFNMember(rank=2, address=address, state=READY, epoch=4, ep_rank=0), (2, 3), 4)
     assert (registry.layout, registry.layout_epoch, registry.epoch) == ((2, 3), 4, 4)
     registry.rejoin_attention(AttentionMember(rank=5, ffn_peer=3, state=READY, epoch=6, peered_epoch=6))
     assert registry.epoch == 6 and registry.add_attention("r").rank == 6
@@ -233,7 +233,7 @@ def test_a_restarted_coordinator_keeps_a_fence() -> None:
     for order in ([*layout, fenced], [fenced, *layout], [layout[0], fenced, layout[1]]):
         registry = Registry("gloo", 5.0, 2)
         for member in order:
-            registry.rejoin_ffn(member, ep_size=2)
+            registry.rejoin_ffn(member, (0, 1) if member.epoch == 3 else (0, 2), member.epoch)
         assert (registry.layout, registry.layout_epoch) == ((0, 2), 4), order
         assert registry.ffn[1].state is GONE and registry.ffn[1].ep_rank is None, order
         assert [(m.rank, m.ep_rank) for m in registry.listed_ffn() if m.state is READY] == [(0, 0), (2, 1)]

@@ -12,18 +12,51 @@ from __future__ import annotations
 
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 
-from afd_ray.models.tiny import build_tiny
-from ep_pair import ep_pair
+import pytest
+import torch
+import torch.distributed as dist
 
+from afd_ray.connector.channel import FFNChannel
+from afd_ray.connector.process_group import new_process_group
+from afd_ray.ffn.ep import EPGroup
+from afd_ray.ffn.model import load_ffn_stack
+from afd_ray.ffn.moe import MoE
+from afd_ray.ffn.runtime import FFNRuntime, LayoutSwitch
+from afd_ray.models.tiny import build_tiny
+
+CPU = torch.device("cpu")
 TIMEOUT_S = 30
-IDLE_POLL_S = 0.02
+POLL_S, IDLE_POLL_S = 0.002, 0.02
 
 
 def test_a_stopped_ep_rank_closes_its_group_so_the_others_fail_fast(tmp_path: Path) -> None:
     checkpoint = build_tiny("qwen3_moe", tmp_path / "qwen3_moe")
-    runtimes = ep_pair(checkpoint, TIMEOUT_S, IDLE_POLL_S, ep_lost_wait_s=TIMEOUT_S)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=TIMEOUT_S))
+    runtimes: dict[int, FFNRuntime] = {}
+    errors: list[BaseException] = []
+
+    def build(rank: int) -> None:
+        try:
+            stack = load_ffn_stack(checkpoint, torch.float32, CPU, ep_rank=rank, ep_size=2)
+            client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=TIMEOUT_S))
+            group = new_process_group("gloo", dist.PrefixStore("ep", client), rank, 2, TIMEOUT_S)
+            moe = [block for block in stack.layers if isinstance(block, MoE)]
+            ep = EPGroup(group, moe[0].spec.num_experts, CPU)
+            channel = FFNChannel("127.0.0.1", "gloo", TIMEOUT_S)
+            runtimes[rank] = FFNRuntime(stack, channel, torch.float32, POLL_S, 0.001, ep, idle_poll_s=IDLE_POLL_S,
+                                        ep_lost_wait_s=TIMEOUT_S)  # fmt: skip
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
+            errors.append(exc)
+
+    builders = [threading.Thread(target=build, args=(rank,)) for rank in range(2)]
+    for thread in builders:
+        thread.start()
+    for thread in builders:
+        thread.join(TIMEOUT_S)
+    assert not errors and len(runtimes) == 2, errors
     loops = {rank: threading.Thread(target=runtime.run) for rank, runtime in runtimes.items()}
     for loop in loops.values():
         loop.start()
@@ -41,3 +74,38 @@ def test_a_stopped_ep_rank_closes_its_group_so_the_others_fail_fast(tmp_path: Pa
         for rank, runtime in runtimes.items():
             runtime.stop()
             loops[rank].join(TIMEOUT_S)
+
+
+def test_a_layout_prepared_after_the_loop_stopped_closes_its_group(tmp_path: Path) -> None:
+    """FFN rank 0 prepared its EP group of a new layout (epoch 1) with rank 1, but its
+    loop stopped (fenced, or failed) before the group was handed over: the group is
+    shut down on hand-over, so rank 1's collective on it fails at once. Before, the
+    stopped runtime kept it as its pending switch: rank 1 waited the group's full
+    timeout for a rank that would never take part."""
+    checkpoint = build_tiny("qwen3_moe", tmp_path / "qwen3_moe")
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=TIMEOUT_S))
+    groups: dict[int, dist.ProcessGroup] = {}
+
+    def join(rank: int) -> None:
+        client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=TIMEOUT_S))
+        groups[rank] = new_process_group("gloo", dist.PrefixStore("ep/1", client), rank, 2, TIMEOUT_S)
+
+    joiners = [threading.Thread(target=join, args=(rank,)) for rank in range(2)]
+    for thread in joiners:
+        thread.start()
+    for thread in joiners:
+        thread.join(TIMEOUT_S)
+    assert sorted(groups) == [0, 1]
+    stack = load_ffn_stack(checkpoint, torch.float32, CPU, ep_rank=0, ep_size=2)
+    runtime = FFNRuntime(stack, FFNChannel("127.0.0.1", "gloo", TIMEOUT_S), torch.float32, POLL_S, 0.001,
+                         idle_poll_s=IDLE_POLL_S)  # fmt: skip
+    loop = threading.Thread(target=runtime.run)
+    loop.start()
+    runtime.stop()
+    loop.join(TIMEOUT_S)
+    (moe, *_) = [block for block in stack.layers if isinstance(block, MoE)]
+    runtime.prepare_switch(LayoutSwitch(1, stack, EPGroup(groups.pop(0), moe.spec.num_experts, CPU)))
+    started = time.monotonic()
+    with pytest.raises(RuntimeError):
+        groups[1].allreduce([torch.zeros(1)]).wait()
+    assert time.monotonic() - started < TIMEOUT_S / 3, "rank 1 waited on the group the stopped rank prepared"

@@ -2,10 +2,10 @@
 and the service comes back by itself; SIGKILL the coordinator and serving goes on;
 SIGSTOP the FFN replica's process past `ffn.heartbeat_timeout_s`, then SIGCONT: the
 coordinator removed it meanwhile, so it is fenced and replaced; then, scaled to 2A:2F
-(EP2 over the two FFN ranks), SIGKILL one of the two FFN ranks, and SIGKILL one of
-the two attention replicas: its streams resume on the other (a tiny Qwen3-MoE,
-float32, real Ray cluster, real vLLM, real HTTP; one app for all, the tests run in
-this order).
+(EP2 over the two FFN ranks), SIGKILL one of the two FFN ranks, then one FFN rank and
+the coordinator in the middle of its recovery, and SIGKILL one of the two attention
+replicas: its streams resume on the other (a tiny Qwen3-MoE, float32, real Ray
+cluster, real vLLM, real HTTP; one app for all, the tests run in this order).
 
 What is checked, per FFN kill:
 - a pause, not a request: every stream completes with exactly the tokens of the
@@ -349,6 +349,60 @@ def test_ep2_ffn_sigkill_the_survivor_reforms_the_ep_group(chaos: httpx.Client, 
     assert next(m["loop"] for m in after["ffn"] if m["rank"] == survivor) == "serving", after["ffn"]
     print(f"\nFFN chaos (2A:2F EP2 tiny Qwen3-MoE, float32, CPU; EP rank {survivors[lost]} killed):")
     print("  " + json.dumps(row))
+
+
+def test_ep2_coordinator_sigkill_mid_recovery_reforms_the_layout(
+    chaos: httpx.Client, reference: list[list[int]]
+) -> None:
+    """2A:2F, EP2: SIGKILL one FFN rank during 4 greedy streams, then the coordinator
+    as soon as it has recorded the loss (before the re-formed layout switched). The
+    restarted coordinator learns from the rejoining survivor its layout and that its
+    EP group is lost, records the lost rank, gives Serve's replacement a new id and
+    re-forms the layout; every stream equals the unfailed run. Before, the survivor
+    alone could not re-form its rejoined layout (the dead EP rank never rejoins), so
+    the layout stayed empty and nothing recovered it."""
+    _scale_to_2a2f(chaos)
+    before = chaos.get("/afd/status").json()
+    known = {m["rank"] for m in before["ffn"]}
+    results = [_Result() for _ in PROMPTS]
+    threads = [threading.Thread(target=_stream, args=(chaos, i, r)) for i, r in enumerate(results)]
+    for thread in threads:
+        thread.start()
+    _wait_tokens(results)
+    os.kill(_pids("ffn")[0], signal.SIGKILL)
+    killed = time.monotonic()
+    while True:  # bounded: until the coordinator recorded the loss
+        status = _status(chaos)
+        if status is not None and len(status["recoveries"]) > len(before["recoveries"]):
+            break
+        assert time.monotonic() - killed < 60, status
+        time.sleep(0.1)
+    event = status["recoveries"][-1]
+    assert event["whole_s"] is None, event  # the layout did not switch yet
+    os.kill(_pid("coordinator"), signal.SIGKILL)
+    for thread in threads:
+        thread.join(180)
+    assert not any(thread.is_alive() for thread in threads), "a stream hung"
+    for prompt, result in enumerate(results):
+        assert result.error is None and result.tokens == reference[prompt], (prompt, result)
+    while not _whole(chaos):
+        assert time.monotonic() - killed < WHOLE_WITHIN_S, _status(chaos)
+        time.sleep(0.5)
+    whole_s = time.monotonic() - killed
+    after = chaos.get("/afd/status").json()
+    (lost,) = event["lost"]
+    ranks = {m["rank"]: m["ep_rank"] for m in after["ffn"] if m["state"] == "ready"}
+    (replacement,) = set(ranks) - known
+    assert lost not in ranks and replacement > max(known), (known, ranks)
+    reformed = after["recoveries"][-1]  # the restarted coordinator's record of the same loss
+    assert reformed["lost"] == [lost] and reformed["error"] is None and reformed["whole_s"] is not None, reformed
+    again = _Result()
+    _stream(chaos, 2, again)
+    assert again.error is None and again.tokens == reference[2], again
+    gaps = [b - a for r in results for a, b in zip(r.times, r.times[1:])]
+    print(f"\nFFN + coordinator SIGKILL mid-recovery (2A:2F EP2): FFN rank {lost} lost, replacement rank "
+          f"{replacement}; streams equal to the unfailed run, longest gap {max(gaps):.1f} s; whole again "
+          f"{whole_s:.1f} s after the FFN kill; restarted coordinator's record: {json.dumps(reformed)}")
 
 
 ATTENTION_STREAMS = 6
