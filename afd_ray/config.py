@@ -28,6 +28,7 @@ __all__ = [
     "FFNPoolConfig",
     "GatePlacement",
     "IngressConfig",
+    "IngressPlacement",
     "ModelConfig",
     "ObservabilityConfig",
     "Platform",
@@ -37,6 +38,8 @@ __all__ = [
 Platform = Literal["cpu", "cuda", "npu"]
 GatePlacement = Literal["gate_on_ffn", "gate_on_attention"]
 DType = Literal["float32", "bfloat16", "float16"]
+IngressPlacement = Literal["head", "any"]
+"""`IngressConfig.placement`."""
 CudaGraphMode = Literal["piecewise", "full_decode"]
 """`AttentionPoolConfig.cudagraph_mode` (`afd_ray.attention.engine.afd_compilation_config`)."""
 EMBEDDED_MODELS = ("smollm2", "smollm2-moe")
@@ -318,6 +321,16 @@ class IngressConfig(_Section):
     admin_key_env: str | None = None
     """Name of the environment variable that holds the admin key of `POST /afd/scale`
     and `/afd/autoscale/*`; None: those routes are open."""
+
+    placement: IngressPlacement = "head"
+    """Ray node of the ingress replicas. HAProxy passes each request to an ingress
+    replica's own HTTP server, which listens on `http_options.host` of the node it runs
+    on (README, "Serve's HTTP ingress"). `head` (default): Ray's head node, where the
+    Serve controller and the HAProxy that clients reach run, so with `host: 127.0.0.1`
+    (the shipped YAMLs) HAProxy reaches the replica; placed on another node it could
+    not, and HAProxy would pass every request through its backup Serve proxy, the slow
+    path. `any`: whichever node Ray picks, for clusters whose `http_options.host` is
+    `0.0.0.0` (or another address every node's HAProxy reaches)."""
 
 
 class AutoscaleConfig(_Section):

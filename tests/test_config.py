@@ -116,3 +116,12 @@ def test_a_batch_window_over_its_bound_is_refused() -> None:
         AFDConfig.model_validate({"connector": {"batch_window_us": 3_000_000}})
     assert _field(error.value) == "connector.batch_window_us"
     assert "less than or equal to 100000" in str(error.value)
+
+
+@pytest.mark.parametrize("placement", ["worker", "Head", None, 0])
+def test_an_unknown_ingress_placement_is_refused_naming_the_field(placement: object) -> None:
+    """`ingress.placement` is `head` (the default) or `any`, nothing else."""
+    assert AFDConfig().ingress.placement == "head"
+    with pytest.raises(ValidationError, match="'head' or 'any'") as error:
+        AFDConfig.model_validate({"ingress": {"placement": placement}})
+    assert _field(error.value) == "ingress.placement"

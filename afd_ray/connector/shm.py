@@ -24,7 +24,8 @@ processes (both are syscalls).
 Failure: the socket is the pair's liveness. A peer that dies or closes closes its
 end, so a blocked `recv` returns at once (`PeerLostError`); every wait is bounded by
 `timeout_s` (socket timeout); `close()` shuts the socket down, which wakes a wait in
-another thread at once.
+another thread at once, and every wait or send on a closed side fails at once
+(`PeerLostError` "pair closed").
 """
 
 from __future__ import annotations
@@ -103,10 +104,14 @@ class ShmPair:
 
     def send(self, tensors: Sequence[torch.Tensor], ubatch: int) -> _Done:
         """Copy `tensors` (contiguous, any dtype) into this side's slot of `ubatch`
-        and wake the peer; done on return (chunks wait for the peer's acks)."""
+        and wake the peer; done on return (chunks wait for the peer's acks).
+
+        Raises:
+            PeerLostError: the peer is gone, or this side was closed ("pair closed").
+        """
         contiguous(tensors)
-        sock = self._socks[ubatch]
-        for data, room in _pieces(tensors, self._send[ubatch], lambda: self._hand_over(sock, _MSG, _ACK)):
+        sock, slot = self._socks[ubatch], self._slot(self._send, ubatch)
+        for data, room in _pieces(tensors, slot, lambda: self._hand_over(sock, _MSG, _ACK)):
             room.copy_(data)
         self._signal(sock, _MSG)
         return _Done()
@@ -118,16 +123,31 @@ class ShmPair:
         return _Receive(self, outs, ubatch)
 
     def recv_now(self, outs: Sequence[torch.Tensor], ubatch: int) -> None:
-        """Block until `ubatch`'s next message arrived and copy it into `outs`."""
-        sock = self._socks[ubatch]
+        """Block until `ubatch`'s next message arrived and copy it into `outs`.
+
+        Raises:
+            PeerLostError: the peer is gone, no message came within `timeout_s`, or
+                this side was closed ("pair closed"), before or during the wait.
+        """
+        sock, slot = self._socks[ubatch], self._slot(self._recv, ubatch)
         self._expect(sock, _MSG)
-        for data, room in _pieces(outs, self._recv[ubatch], lambda: self._hand_over(sock, _ACK, _MSG)):
+        for data, room in _pieces(outs, slot, lambda: self._hand_over(sock, _ACK, _MSG)):
             data.copy_(room)
 
     def exchange(self, sends: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], ubatch: int) -> None:
         """`send(sends)` then receive the answer into `outs` (attention side)."""
         self.send(sends, ubatch)
         self.recv_now(outs, ubatch)
+
+    def _slot(self, slots: list[torch.Tensor], ubatch: int) -> torch.Tensor:
+        """`slots[ubatch]`, a view that keeps the mapping alive through a `close()`
+        from another thread (which drops this side's lists of slots)."""
+        if self._closed:
+            raise self._closed_error()
+        return slots[ubatch]
+
+    def _closed_error(self) -> PeerLostError:
+        return PeerLostError(self._peer, "pair closed")
 
     def _hand_over(self, sock: socket.socket, sent: bytes, expected: bytes) -> None:
         """The slot is full: send `sent` (`M`: a chunk is ready; `A`: it was read),
@@ -139,6 +159,8 @@ class ShmPair:
         try:
             sock.sendall(byte)
         except OSError as exc:
+            if self._closed:  # shut down or closed by `close()`, before or during the call
+                raise self._closed_error() from exc
             raise PeerLostError(self._peer, f"shm wake-up not sent ({exc})") from exc
 
     def _expect(self, sock: socket.socket, byte: bytes) -> None:
@@ -147,16 +169,20 @@ class ShmPair:
         except TimeoutError as exc:
             raise PeerLostError(self._peer, f"no shm message within {self._timeout_s} s") from exc
         except OSError as exc:
+            if self._closed:  # closed by `close()` before the call: EBADF
+                raise self._closed_error() from exc
             raise PeerLostError(self._peer, f"shm socket failed ({exc})") from exc
         if not got:
-            reason = "pair closed" if self._closed else "peer closed the pair or died"
-            raise PeerLostError(self._peer, reason)
+            if self._closed:  # `close()` shut the socket down during the wait
+                raise self._closed_error()
+            raise PeerLostError(self._peer, "peer closed the pair or died")
         if got != byte:
             raise PeerLostError(self._peer, f"shm protocol broken: got {got!r}, expected {byte!r}")
 
     def close(self) -> None:
-        """Shut the sockets down (a wait in another thread fails at once) and drop
-        this side's mapping. Idempotent."""
+        """Shut the sockets down and drop this side's mapping. Idempotent. A wait in
+        another thread fails at once, and every send or wait afterwards (a receive
+        posted before included) fails the same way: `PeerLostError` "pair closed"."""
         self._closed = True
         for sock in self._socks:
             try:

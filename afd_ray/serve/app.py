@@ -7,7 +7,7 @@ from ray.serve import Application
 
 from afd_ray.attention.server import AttentionServer
 from afd_ray.autoscale.policy import AutoscalePolicy, load_policy
-from afd_ray.config import AFDConfig, Platform, PoolPlacement
+from afd_ray.config import AFDConfig, IngressPlacement, Platform, PoolPlacement
 from afd_ray.control.coordinator import (
     ATTENTION_DEPLOYMENT,
     FFN_DEPLOYMENT,
@@ -26,6 +26,12 @@ _COORDINATOR_CALLS = 10_000
 _HEALTH_CHECK_PERIOD_S = 2.0
 """Serve's health check period of pool members: an attention rank whose engine failed
 (its FFN peer was lost mid-step) is replaced after 3 failed checks, about 6 s."""
+HEAD_NODE_RESOURCE = "node:__internal_head__"
+"""The Ray resource only the head node has, amount 1 (Ray 2.60
+`ray._common.constants.HEAD_NODE_RESOURCE_NAME`; Serve's controller claims 0.001 of it
+to run there)."""
+_HEAD_NODE_SHARE = 0.001
+"""What one ingress replica claims of `HEAD_NODE_RESOURCE`: up to 1000 replicas fit."""
 _TEARDOWN_S = 60.0
 """Time a stopping attention replica has, after its drain timeout, to end its
 remaining requests, close its pair channel and stop its engine, seconds."""
@@ -40,7 +46,8 @@ def build_app(args: dict[str, object]) -> Application:
     label selector), so a pool grows or shrinks one member at a time, on the nodes
     its placement allows. An attention rank takes at most
     `attention.max_num_seqs` requests at a time; further requests wait in Serve's
-    queue. The coordinator and the ingress hold no device (`num_cpus=0`).
+    queue. The coordinator and the ingress hold no device (`num_cpus=0`); the ingress
+    replicas run on the node `ingress.placement` names (default: the head node).
 
     Resizing: deploy with `external_scaler_enabled: true` (`serve.run(...,
     external_scaler_enabled=True)`); the coordinator then sets the pools' replica
@@ -91,9 +98,18 @@ def build_app(args: dict[str, object]) -> Application:
     ingress = serve.deployment(Ingress).options(
         name="ingress",
         max_ongoing_requests=cfg.ingress.max_ongoing_requests,
-        ray_actor_options={"num_cpus": 0},
+        ray_actor_options=_ingress_actor_options(cfg.ingress.placement),
     )
     return ingress.bind(attention, coordinator, ffn, cfg.attention, cfg.ffn, cfg.ingress, cfg.autoscale, access)
+
+
+def _ingress_actor_options(placement: IngressPlacement) -> dict[str, object]:
+    """Ray actor options of an ingress replica: no CPU (it only forwards requests),
+    and with `placement: head` a share of `HEAD_NODE_RESOURCE`, so that Ray runs it on
+    the head node."""
+    if placement == "head":
+        return {"num_cpus": 0, "resources": {HEAD_NODE_RESOURCE: _HEAD_NODE_SHARE}}
+    return {"num_cpus": 0}
 
 
 def _member_placement(platform: Platform, amount: float, placement: PoolPlacement) -> dict[str, object]:

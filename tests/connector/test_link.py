@@ -102,7 +102,7 @@ def test_shm_wait_is_bounded_and_fails_with_the_typed_error(open_pair: Callable[
 
 def test_close_releases_a_blocked_shm_wait_at_once(open_pair: Callable[..., AttentionChannel]) -> None:
     """The FFN never answers; closing the attention link from another thread ends
-    the exchange with `PeerLostError` well before the 30 s timeout."""
+    the exchange with `PeerLostError` "pair closed" well before the 30 s timeout."""
     ffn = FFNChannel("127.0.0.1", "gloo", timeout_s=30)
     attention = open_pair(ffn, 3, "shm", timeout_s=30)
     errors: list[BaseException] = []
@@ -119,9 +119,29 @@ def test_close_releases_a_blocked_shm_wait_at_once(open_pair: Callable[..., Atte
     time.sleep(0.2)
     attention.close()
     waiter.join(10)
-    assert not waiter.is_alive() and len(errors) == 1
+    assert not waiter.is_alive() and len(errors) == 1 and str(errors[0]).endswith("pair closed"), errors
     assert time.monotonic() - start < 5
     ffn.recv_a2f(3, torch.empty(2, 8))  # the A2F sent before the close still arrives
     with pytest.raises(PeerLostError, match="closed the pair or died"):  # then the FFN sees the close
         ffn.recv_a2f(3, torch.empty(2, 8))
+    ffn.close()
+
+
+def test_a_shm_wait_after_close_fails_as_pair_closed(open_pair: Callable[..., AttentionChannel]) -> None:
+    """A receive posted before `close()` and waited on after it, a new receive and a
+    send after it: each fails at once with `PeerLostError` "pair closed", not with
+    the closed socket's "Bad file descriptor" or an `IndexError` of the dropped slots."""
+    ffn = FFNChannel("127.0.0.1", "gloo", timeout_s=30)
+    attention = open_pair(ffn, 3, "shm", timeout_s=30)
+    posted = attention.irecv_f2a(torch.empty(2, 8))
+    attention.close()
+    start = time.monotonic()
+    with pytest.raises(PeerLostError, match="pair closed$") as error:
+        posted.wait()
+    assert error.value.peer == 3
+    with pytest.raises(PeerLostError, match="pair closed$"):
+        attention.irecv_f2a(torch.empty(2, 8)).wait()
+    with pytest.raises(PeerLostError, match="pair closed$"):
+        attention.isend_a2f(torch.randn(2, 8)).wait()
+    assert time.monotonic() - start < 5
     ffn.close()

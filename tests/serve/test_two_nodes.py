@@ -1,7 +1,9 @@
 """Pools across Ray nodes: a two-node cluster on one machine (head 127.0.0.1, worker
 127.0.0.2 with a custom resource), the FFN pool pinned to the worker through
 `AFDConfig`. The FFN replica runs there, the pair picks the cross-node transport
-(gloo), and greedy float32 tokens equal plain vLLM's.
+(gloo), and greedy float32 tokens equal plain vLLM's. The ingress replica runs on the
+head node (`ingress.placement: head`, the default), next to HAProxy, which passes the
+requests straight to it, not through its backup Serve proxy.
 
 The cluster runs under a driver subprocess (`two_node_driver.py`), since this
 process is already connected to the session's cluster; plain vLLM runs here.
@@ -97,3 +99,16 @@ def test_ffn_pool_pinned_to_a_second_node_serves_over_gloo(tmp_path: Path) -> No
     assert result["ffn_hosts"] == ["127.0.0.2"]  # connector.host unset: the worker node's IP
     assert result["transports"] == {"0": "gloo"}  # attention on the head: cross-node transport
     assert result["tokens"] == expected
+
+    # The ingress replica binds 127.0.0.1 on its own node: only on the head does HAProxy
+    # reach it. Before `ingress.placement` it landed on the worker, HAProxy marked its
+    # server DOWN and every request went through the backup Serve proxy (the slow path).
+    assert result["ingress_nodes"] == [result["head_node"]]
+    servers = result["haproxy_servers"]
+    direct = [server for server in servers if not server["backup"]]
+    backup = [server for server in servers if server["backup"]]
+    assert len(direct) >= 1 and len(backup) >= 1, servers
+    assert all(server["status"] == "UP" for server in direct), servers
+    # every request (the prompts and /afd/status) went to the replica's own server
+    assert sum(server["sessions"] for server in direct) >= len(PROMPTS) + 1, servers
+    assert sum(server["sessions"] for server in backup) == 0, servers

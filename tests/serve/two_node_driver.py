@@ -5,9 +5,12 @@ Starts a two-node Ray cluster on this machine: a head on 127.0.0.1 and a worker 
 on 127.0.0.2 that alone has the custom resource `ffn_node`. Serves the tiny Llama
 checkpoint given as argv[1] with the FFN pool pinned to `ffn_node` through
 `AFDConfig` (`ffn.placement.resources`) and `connector.host` unset, sends the prompts
-of argv[2] (a JSON list) as greedy completions of argv[3] tokens, and prints one JSON
-line: the token ids, the Ray node of each FFN rank and of the worker node, the host
-the FFN rank bound, and the transport of each attention↔FFN pair.
+of argv[2] (a JSON list) as greedy completions of argv[3] tokens through HAProxy, and
+prints one JSON line: the token ids, the Ray node of each FFN rank, of each ingress
+replica, of the head and of the worker node, the host the FFN rank bound, the
+transport of each attention↔FFN pair, and HAProxy's servers of the application
+(state and sessions served, from its stats page): the ingress replicas' own HTTP
+servers (direct ingress) and the backup Serve proxy.
 
 Every port is picked by the OS (GCS, node managers, agents, the Serve proxy); the
 caller gives this process its own `RAY_TMPDIR` and process group, so nothing here
@@ -16,9 +19,12 @@ meets the session cluster, and a killed driver takes its Ray processes with it.
 
 from __future__ import annotations
 
+import csv
 import json
+import os
 import socket
 import sys
+import time
 
 import httpx
 import ray
@@ -32,6 +38,44 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+_DIRECT_UP_S = 60.0
+"""How long the driver waits for HAProxy to mark an ingress replica's server UP
+before it sends the prompts anyway (the result then shows it DOWN), seconds."""
+
+
+def _haproxy_servers(app: str) -> list[dict[str, object]]:
+    """The servers of `app`'s HTTP backends in HAProxy's stats (CSV of the stats page,
+    `RAY_SERVE_HAPROXY_STATS_PORT`): name, `backup` (the fallback Serve proxy; else an
+    ingress replica's own server), `status` (UP, DOWN, ...) and `sessions` (HAProxy's
+    `stot`: connections it passed to that server)."""
+    url = f"http://127.0.0.1:{os.environ['RAY_SERVE_HAPROXY_STATS_PORT']}/stats;csv"
+    rows = csv.DictReader(httpx.get(url, timeout=10).raise_for_status().text.removeprefix("# ").splitlines())
+    return [
+        {"backend": row["pxname"], "server": row["svname"], "backup": row["bck"] == "1", "status": row["status"],
+         "sessions": int(row["stot"])}
+        for row in rows
+        if row["pxname"].startswith(f"http-{app}") and row["svname"] not in ("FRONTEND", "BACKEND")
+    ]  # fmt: skip
+
+
+def _wait_direct_up(app: str) -> None:
+    """Until HAProxy marks an ingress replica's own server of `app` UP (its health
+    check passed), at most `_DIRECT_UP_S`."""
+    deadline = time.monotonic() + _DIRECT_UP_S
+    while time.monotonic() < deadline:
+        if any(not s["backup"] and s["status"] == "UP" for s in _haproxy_servers(app)):
+            return
+        time.sleep(0.5)
+
+
+def _replica_nodes(app: str, deployment: str) -> list[str]:
+    """Ray node ids of `deployment`'s replicas, from the Serve controller's instance
+    details (what `serve status` and the dashboard show)."""
+    controller = serve.context._get_global_client()._controller
+    details = ray.get(controller.get_serve_instance_details.remote())
+    return [replica["node_id"] for replica in details["applications"][app]["deployments"][deployment]["replicas"]]
 
 
 def main(checkpoint: str, prompts: list[str], max_tokens: int) -> dict[str, object]:
@@ -48,6 +92,7 @@ def main(checkpoint: str, prompts: list[str], max_tokens: int) -> dict[str, obje
             "ffn": {"bundle_resources": 0.5, "placement": {"resources": {"ffn_node": 1}}},
         }
         serve.run(build_app(args), name="afd", route_prefix="/")
+        _wait_direct_up("afd")
         tokens = []
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300) as http:
             for prompt in prompts:
@@ -63,6 +108,8 @@ def main(checkpoint: str, prompts: list[str], max_tokens: int) -> dict[str, obje
             "tokens": tokens,
             "ffn_nodes": [member["address"]["node"] for member in status["ffn"]],
             "ffn_hosts": [member["address"]["host"] for member in status["ffn"]],
+            "ingress_nodes": _replica_nodes("afd", "ingress"),
+            "haproxy_servers": _haproxy_servers("afd"),
             "worker_node": worker.node_id,
             "head_node": cluster.head_node.node_id,
             "transports": {str(peer): transport for peer, transport in transports.items()},
