@@ -47,17 +47,25 @@ def test_config_json_alone_gives_vllm_dummy_values(tmp_path: Path) -> None:
     assert any(isinstance(block, MoE) for block in stack.layers)
 
 
-def _vllm_ffn_params(folder: Path) -> dict[str, torch.Tensor]:
+def _vllm_ffn_params(folder: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, torch.Tensor]:
     """The FFN-block parameters (`model.layers.{i}.mlp.*`) of a plain vLLM engine
-    loaded with `load_format="dummy"` (in-process, CPU, float32), by vLLM's names."""
+    loaded with `load_format="dummy"` (in-process, CPU, float32), by vLLM's names, as
+    its dummy loader left them (before `process_weights_after_loading`: vLLM's CPU
+    linear layers repack their weights afterwards)."""
     from vllm import LLM
     from vllm.distributed import cleanup_dist_env_and_memory
+    from vllm.model_executor.model_loader.dummy_loader import DummyModelLoader
 
+    params: dict[str, torch.Tensor] = {}
+    load_weights = DummyModelLoader.load_weights
+
+    def recording(self: DummyModelLoader, model: torch.nn.Module, model_config: object) -> None:
+        load_weights(self, model, model_config)
+        params.update({n: p.detach().clone() for n, p in model.named_parameters() if ".mlp." in n})
+
+    monkeypatch.setattr(DummyModelLoader, "load_weights", recording)
     llm = LLM(model=str(folder), dtype="float32", enforce_eager=True, max_model_len=128, load_format="dummy",
               attention_backend=attention_backend(folder, "float32"))  # fmt: skip
-    (params,) = llm.apply_model(
-        lambda model: {n: p.detach().clone() for n, p in model.named_parameters() if ".mlp." in n}
-    )
     del llm
     gc.collect()
     cleanup_dist_env_and_memory()
@@ -76,7 +84,7 @@ def test_ffn_dummy_weights_equal_plain_vllm_dummy_weights(
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     try:
-        vllm_params = _vllm_ffn_params(folder)
+        vllm_params = _vllm_ffn_params(folder, monkeypatch)
     finally:
         torch.set_num_threads(threads)
     stack = load_ffn_stack(folder, torch.float32, CPU, random_weights=True)
@@ -98,7 +106,10 @@ def test_ffn_dummy_weights_equal_plain_vllm_dummy_weights(
             gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])  # [2I, H]
             pairs += [(f"{name}gate_up_proj.weight", gate_up), (f"{name}down_proj.weight", mlp.down_proj.weight)]
         for name, ours in pairs:
-            theirs = vllm_params[prefix + name]
+            key = prefix + name
+            if key not in vllm_params:  # vLLM 0.32: `experts.routed_experts.w13_weight`
+                key = prefix + name.replace("experts.", "experts.routed_experts.")
+            theirs = vllm_params[key]
             assert theirs.shape == ours.shape and torch.equal(theirs.to(ours.dtype), ours), prefix + name
             compared += 1
     assert compared >= 3 * stack.num_layers
