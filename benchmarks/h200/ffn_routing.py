@@ -9,8 +9,7 @@ blocks see. One H200, after the device pack is installed:
    `afd_ray.bench.runner._prompts` seeds), greedy, for 16 and then 64 streams. A
    forward pre-hook on every `DeepseekV2MoE` keeps its input rows of decode steps
    (T = streams). Per step: distinct generated tokens; per MoE layer and step: the
-   distinct experts vLLM's own gate picks (softmax top-k of `mlp.gate`, DeepSeek-V2's
-   greedy router).
+   distinct experts vLLM's own routing picks (`mlp.gate`, then vLLM's `grouped_topk`).
 2. The FFN role's stack (`afd_ray.ffn.model.load_ffn_stack(random_weights=True)`) on
    the same rows, with the product's fill (`dummy_fill`, vLLM's dummy values) and with
    the fill it had before (N(0, 1/fan_in) per checkpoint tensor,
@@ -83,10 +82,16 @@ def _unhook(model: torch.nn.Module) -> None:
 
 
 def _vllm_topk(model: torch.nn.Module, layer: int, rows: torch.Tensor, top_k: int) -> torch.Tensor:
+    """vLLM's own routing of `rows`: its gate, then its `grouped_topk` (what DeepSeek-V2's
+    `GroupedTopKRouter` runs: softmax and top-k in the logits' dtype)."""
+    from vllm.model_executor.layers.fused_moe.router.grouped_topk_router import grouped_topk
+
     mlp = model.model.layers[layer].mlp
     logits = mlp.gate(rows)
     logits = logits[0] if isinstance(logits, tuple) else logits
-    return logits.float().softmax(-1).topk(top_k, dim=-1).indices.sort(-1).values
+    route = getattr(grouped_topk, "_torchdynamo_orig_callable", grouped_topk)
+    _, ids = route(rows, logits, top_k, False, 1, 1, "softmax", 1.0, None)
+    return ids.long().sort(-1).values
 
 
 def _distinct(ids: torch.Tensor) -> int:
