@@ -70,9 +70,10 @@ class ModelConfig(_Section):
     load_format: Literal["auto", "dummy"] = "auto"
     """`auto`: both roles read their weights from the checkpoint's safetensors.
     `dummy`: neither reads any; every weight is random (vLLM's `load_format="dummy"`
-    on the attention role, `afd_ray.ffn.model.random_fill` on the FFN role), so a
-    folder with a `config.json` and a tokenizer is enough: for benchmarks of model
-    shapes whose weights are not at hand. Outputs are then meaningless text."""
+    on the attention role, the same values on the FFN role: `afd_ray.ffn.model.dummy_fill`),
+    so a folder with a `config.json` and a tokenizer is enough: for benchmarks of model
+    shapes whose weights are not at hand. Outputs are then meaningless text, the same as
+    plain vLLM's with `load_format="dummy"`."""
 
     @model_validator(mode="after")
     def _source_exists(self) -> ModelConfig:

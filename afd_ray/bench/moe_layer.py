@@ -3,8 +3,9 @@
 `PYTHONPATH=. python3 -m afd_ray.bench.moe_layer --out moe.json` builds one MoE layer
 of a DeepSeek-V2-Lite shape (H 2048, 64 routed experts of I 1408, top-6 softmax, 2
 shared experts) and of a Qwen3-30B-A3B shape (H 2048, 128 experts of I 768, top-8, no
-shared), bfloat16, with random weights (`afd_ray.ffn.model.random_fill`, what
-`model.load_format: dummy` gives the FFN role), and runs `MoE.forward` exactly as the
+shared), bfloat16, with random weights N(0, 1/fan_in) (`random_fill`: activations
+keep their scale and random rows spread over the experts; `model.load_format: dummy`
+gives both roles vLLM's dummy values instead), and runs `MoE.forward` exactly as the
 FFN runtime does (gate, routed experts, shared experts), one CUDA graph per T.
 
 1. Correctness first: for each shape and T, the routed experts of vLLM's fused MoE
@@ -29,17 +30,18 @@ import argparse
 import json
 import statistics
 import time
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from transformers import DeepseekV2Config, PretrainedConfig, Qwen3MoeConfig
 
-from afd_ray.ffn.model import FFNStack, random_fill
+from afd_ray.ffn.model import FFNStack
 from afd_ray.ffn.moe import MoE
 from afd_ray.ffn.routing import Routing
 
-__all__ = ["main", "moe_shapes"]
+__all__ = ["main", "moe_shapes", "random_fill"]
 
 _DTYPE = torch.bfloat16
 _REL_TOLERANCE = 2e-2
@@ -62,6 +64,19 @@ def moe_shapes() -> dict[str, PretrainedConfig]:
             mlp_only_layers=[], num_attention_heads=32, num_key_value_heads=4, vocab_size=1024,
         ),
     }
+
+
+def random_fill(target: torch.Tensor, key: str) -> None:
+    """Fill a parameter in place with random values seeded by `key`: a matrix
+    `[..., fan_in]` with N(0, 1/fan_in), so the activations keep their scale; a vector
+    (`e_score_correction_bias`) with zeros."""
+    with torch.no_grad():
+        if target.dim() < 2:
+            target.zero_()
+            return
+        generator = torch.Generator(target.device).manual_seed(zlib.crc32(key.encode()))
+        values = torch.randn(target.shape, generator=generator, device=target.device, dtype=torch.float32)
+        target.copy_(values * target.shape[-1] ** -0.5)
 
 
 def _moe_block(config: PretrainedConfig, device: torch.device) -> MoE:

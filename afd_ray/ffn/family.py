@@ -155,8 +155,9 @@ def _qwen3_routing(config: PretrainedConfig) -> RoutingSpec:
 
 
 def _deepseek_v2_routing(config: PretrainedConfig) -> RoutingSpec:
-    """DeepseekV2TopkRouter: float32 softmax; `group_limited_greedy` keeps the
-    `topk_group` groups of highest max score.
+    """DeepseekV2TopkRouter: softmax; `group_limited_greedy` keeps the `topk_group`
+    groups of highest max score. Scores in the logits' dtype, as vLLM computes them
+    (`RoutingSpec.float32_scores`; transformers takes the softmax in float32).
 
     `norm_topk_prob=True` renormalizes before scaling, as vLLM does (transformers
     ignores it for V2; every released V2 config has it False). Gate logits:
@@ -179,6 +180,7 @@ def _deepseek_v2_routing(config: PretrainedConfig) -> RoutingSpec:
         renormalize=bool(config.norm_topk_prob),
         scaling_factor=config.routed_scaling_factor,
         float32_logits=_gate_logits_in_float32(config),
+        float32_scores=False,  # vLLM's grouped_topk: softmax in the logits' dtype
     )
 
 

@@ -7,7 +7,6 @@ expert parallelism each EP rank builds the stack with only its own routed expert
 
 from __future__ import annotations
 
-import zlib
 from pathlib import Path
 
 import torch
@@ -20,7 +19,7 @@ from afd_ray.ffn.moe import MoE
 from afd_ray.ffn.placement import owned_experts
 from afd_ray.weights import ffn_layer_params
 
-__all__ = ["FFNStack", "load_ffn_stack", "random_fill"]
+__all__ = ["FFNStack", "dummy_fill", "load_ffn_stack"]
 
 _KEEP_FLOAT32 = "e_score_correction_bias"
 """Checkpoint tensors loaded without rounding to the model dtype (transformers keeps
@@ -114,18 +113,42 @@ class FFNStack(nn.Module):
         }
 
 
-def random_fill(target: torch.Tensor, key: str) -> None:
-    """Fill a parameter in place with random values seeded by `key` (the same values
-    on every run and EP shard): a matrix `[..., fan_in]` with N(0, 1/fan_in), so the
-    activations keep their scale through the layers; a vector (bias,
-    `e_score_correction_bias`) with zeros."""
+def dummy_fill(stack: FFNStack) -> None:
+    """Fill every parameter and buffer of `stack` in place with the values vLLM's
+    `load_format="dummy"` gives the vLLM parameter it stands for, so that with dummy
+    weights on both roles the FFN role computes what a plain vLLM engine with dummy
+    weights computes: the same routing, hence the same expert weights read per step.
+
+    vLLM's `initialize_single_dummy_weight` (vLLM 0.26 and 0.32) draws each floating
+    tensor uniform in [-1e-3, 1e-3] from a generator on the tensor's device seeded 1234,
+    so the values depend only on the tensor's element count, dtype and device type.
+    Tensors laid out as vLLM's are filled by that function directly: the router
+    weight `[E, H]` and `e_score_correction_bias` `[E]`, the routed experts `[E_local,
+    2I, H]` (`w13`) and `[E_local, H, I]` (`w2`), a dense MLP's or the shared experts'
+    `down_proj`. A `GatedMLP`'s `gate_proj` and `up_proj` `[I, H]` are the two halves of
+    vLLM's merged `gate_up_proj` `[2I, H]` (rows `[:I]` gate), drawn as one tensor. An
+    EP shard draws its own `[E_local, ...]` experts, as a vLLM EP rank does.
+
+    Raises:
+        ImportError: vLLM is not installed.
+    """
+    from vllm.model_executor.model_loader.weight_utils import initialize_single_dummy_weight
+
+    merged: set[int] = set()
     with torch.no_grad():
-        if target.dim() < 2:
-            target.zero_()
-            return
-        generator = torch.Generator(target.device).manual_seed(zlib.crc32(key.encode()))
-        values = torch.randn(target.shape, generator=generator, device=target.device, dtype=torch.float32)
-        target.copy_(values * target.shape[-1] ** -0.5)
+        for mlp in (m for m in stack.modules() if isinstance(m, GatedMLP)):
+            for kind in ("weight", "bias"):
+                gate, up = getattr(mlp.gate_proj, kind), getattr(mlp.up_proj, kind)
+                if gate is None:
+                    continue
+                both = torch.empty((2 * gate.shape[0], *gate.shape[1:]), dtype=gate.dtype, device=gate.device)
+                initialize_single_dummy_weight(both)
+                gate.copy_(both[: gate.shape[0]])
+                up.copy_(both[gate.shape[0] :])
+                merged.update((id(gate), id(up)))
+        for tensor in stack.state_dict(keep_vars=True).values():
+            if id(tensor) not in merged:
+                initialize_single_dummy_weight(tensor)
 
 
 def load_ffn_stack(
@@ -152,22 +175,22 @@ def load_ffn_stack(
     the checkpoint, so only newly owned routed experts are read (the new stack's
     `loaded_bytes`).
 
-    `random_weights`: read nothing but `config.json` and fill every tensor with
-    seeded random values (`random_fill`), the FFN-role counterpart of vLLM's
-    `load_format="dummy"`, so that benchmark-sized models run without their
-    weights (`ModelConfig.load_format`). `loaded_bytes` stays 0.
+    `random_weights`: read nothing but `config.json` and fill every tensor as vLLM's
+    `load_format="dummy"` fills its counterpart (`dummy_fill`), so that benchmark-sized
+    models run without their weights (`ModelConfig.load_format`) and compute what a
+    plain vLLM engine with dummy weights computes. `loaded_bytes` stays 0.
 
     Raises:
         ValueError: unsupported architecture, bad EP rank, or a missing/unexpected
             FFN tensor.
+        ImportError: `random_weights` without vLLM installed.
     """
     config = AutoConfig.from_pretrained(checkpoint)
     with torch.device("meta"):
         stack = FFNStack(config, dtype, ep_rank, ep_size, gate_on_attention, attention_compiled)
     stack.to_empty(device=device)
     if random_weights:
-        for (layer, name), target in stack.checkpoint_tensors().items():
-            random_fill(target, f"{layer}/{name}")
+        dummy_fill(stack)
         return stack.eval()
     targets = stack.checkpoint_tensors()
     owned = {e for block in stack.layers if isinstance(block, MoE) for e in block.experts.owned}

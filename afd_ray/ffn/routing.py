@@ -46,6 +46,15 @@ class RoutingSpec:
     """Multiplies the k weights last (`routed_scaling_factor`)."""
     float32_logits: bool
     """Whether the gate matmul runs in float32 (DeepSeek) or in the model dtype (Qwen3)."""
+    float32_scores: bool = True
+    """Whether the scores, the choice and the weights are computed from the logits in
+    float32 (vLLM's fused top-k kernels: `topk_softmax` for Qwen3 and Mixtral, the
+    fused grouped top-k for DeepSeek-V3), or in the logits' dtype (vLLM's
+    `grouped_topk`, which DeepSeek-V2's router runs, vLLM 0.26 and 0.32:
+    `torch.softmax` of the model-dtype logits, weights renormalized and scaled in that
+    dtype, then cast to float32). In bfloat16 the two choose differently wherever
+    scores round to ties: with tiny logits (vLLM's `load_format="dummy"`) every score
+    rounds to 1/E, so vLLM sends every token to the same k experts."""
 
     def __post_init__(self) -> None:
         if self.num_experts % self.num_groups:
@@ -80,7 +89,7 @@ class Router(nn.Module):
     auxiliary-loss-free bias is the DeepSeek-V3 technical report (arXiv:2412.19437,
     §2.1.2, eqs. 13-16):
 
-        s = softmax(W h) or sigmoid(W h)                          # [T, E] float32
+        s = softmax(W h) or sigmoid(W h)      # [T, E] float32 (`float32_scores`) or logits dtype
         c = s + b (bias, selection only) or s
         groups: keep the `top_groups` groups of best group score of c, mask the rest
         ids = top-k of the masked c;  w = s[ids]
@@ -99,12 +108,15 @@ class Router(nn.Module):
             self.e_score_correction_bias = None
 
     def forward(self, hidden: torch.Tensor) -> Routing:
-        """Route hidden `[T, H]` (model dtype) to `Routing` (`[T, k]` int64, float32)."""
+        """Route hidden `[T, H]` (model dtype) to `Routing` (`[T, k]` int64, float32;
+        computed in the logits' dtype unless `spec.float32_scores`)."""
         spec = self.spec
         if spec.float32_logits:
             logits = F.linear(hidden.float(), self.weight)  # [T, E]
         else:
-            logits = F.linear(hidden, self.weight).float()  # [T, E]
+            logits = F.linear(hidden, self.weight)  # [T, E] model dtype
+        if spec.float32_scores:
+            logits = logits.float()
         scores = logits.softmax(dim=-1) if spec.scoring == "softmax" else logits.sigmoid()
         choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
         if spec.num_groups > 1:
@@ -113,7 +125,7 @@ class Router(nn.Module):
         weights = scores.gather(1, ids)  # [T, k]
         if spec.renormalize:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return Routing(ids, weights * spec.scaling_factor)
+        return Routing(ids, (weights * spec.scaling_factor).float())
 
     def _limit_groups(self, choice: torch.Tensor) -> torch.Tensor:
         """Set the scores of experts outside each token's best groups to -inf."""

@@ -99,6 +99,45 @@ def test_bfloat16_close_to_transformers(name, checkpoint, reference_model):
                 assert torch.equal(gate(x).ids.sort(-1).values, ref_ids.sort(-1).values.long())
 
 
+@pytest.mark.parametrize("name", ["deepseek_v2", "deepseek_v2_grouped_k3"])
+@pytest.mark.parametrize("scale", [1.0, 1e-5])
+def test_deepseek_v2_bfloat16_routes_as_vllm(name, scale, checkpoint):
+    """In bfloat16 DeepSeek-V2's routing (ids and weights) equals vLLM's `grouped_topk`
+    on the same model-dtype logits: softmax, choice, renormalization and scaling in
+    bfloat16 (`RoutingSpec.float32_scores` False). Scale 1e-5 gives tiny logits, as
+    vLLM's dummy weights, where every bfloat16 score ties at 1/E and vLLM sends every
+    token to the same experts (on an H200 this made plain vLLM's MoE layers read 6 of
+    64 experts per step where the FFN role's float32 softmax read about 47)."""
+    stack = load_ffn_stack(checkpoint(name), torch.bfloat16, CPU)
+    layers = [(i, block) for i, block in enumerate(stack.layers) if isinstance(block, MoE)]
+    assert layers and not layers[0][1].gate.spec.float32_scores
+    for (i, block), x in zip(layers, _inputs(stack), strict=False):
+        x = (x * scale).bfloat16()
+        routing = block.gate(x)
+        ref_weights, ref_ids = _vllm_grouped_topk(block.gate, x)
+        ids, order = routing.ids.sort(dim=-1)
+        ref_sorted, ref_order = ref_ids.long().sort(dim=-1)
+        assert torch.equal(ids, ref_sorted), f"layer {i}"
+        assert torch.equal(routing.weights.gather(1, order), ref_weights.gather(1, ref_order)), f"layer {i}"
+        if scale < 1:
+            assert ids.unique().numel() == ids.shape[1]  # every token: the same experts
+
+
+def _vllm_grouped_topk(gate, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's DeepSeek routing of `x` `[T, H]`: `GateLinear` without an `out_dtype`
+    (logits in the model dtype), then `grouped_topk` (uncompiled); weights `[T, k]`
+    float32 and ids `[T, k]` int32."""
+    from vllm.model_executor.layers.fused_moe.router.grouped_topk_router import grouped_topk
+
+    spec = gate.spec
+    logits = torch.nn.functional.linear(x, gate.weight)  # [T, E] model dtype
+    route = getattr(grouped_topk, "_torchdynamo_orig_callable", grouped_topk)
+    return route(
+        x, logits, spec.top_k, spec.renormalize, spec.num_groups, spec.top_groups, spec.scoring,
+        spec.scaling_factor, gate.e_score_correction_bias,
+    )  # fmt: skip
+
+
 def _vllm_grouped_topk_ids(gate, x: torch.Tensor) -> torch.Tensor:
     """vLLM's DeepSeek routing of `x` `[T, H]`: `GateLinear` without an `out_dtype`
     (logits in the model dtype), then `grouped_topk`; `[T, k]` expert ids. The
