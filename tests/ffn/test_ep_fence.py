@@ -26,37 +26,15 @@ from afd_ray.ffn.model import load_ffn_stack
 from afd_ray.ffn.moe import MoE
 from afd_ray.ffn.runtime import FFNRuntime, LayoutSwitch
 from afd_ray.models.tiny import build_tiny
+from ep_pair import CPU, POLL_S, ep_pair
 
-CPU = torch.device("cpu")
 TIMEOUT_S = 30
-POLL_S, IDLE_POLL_S = 0.002, 0.02
+IDLE_POLL_S = 0.02
 
 
 def test_a_stopped_ep_rank_closes_its_group_so_the_others_fail_fast(tmp_path: Path) -> None:
     checkpoint = build_tiny("qwen3_moe", tmp_path / "qwen3_moe")
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=TIMEOUT_S))
-    runtimes: dict[int, FFNRuntime] = {}
-    errors: list[BaseException] = []
-
-    def build(rank: int) -> None:
-        try:
-            stack = load_ffn_stack(checkpoint, torch.float32, CPU, ep_rank=rank, ep_size=2)
-            client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=TIMEOUT_S))
-            group = new_process_group("gloo", dist.PrefixStore("ep", client), rank, 2, TIMEOUT_S)
-            moe = [block for block in stack.layers if isinstance(block, MoE)]
-            ep = EPGroup(group, moe[0].spec.num_experts, CPU)
-            channel = FFNChannel("127.0.0.1", "gloo", TIMEOUT_S)
-            runtimes[rank] = FFNRuntime(stack, channel, torch.float32, POLL_S, 0.001, ep, idle_poll_s=IDLE_POLL_S,
-                                        ep_lost_wait_s=TIMEOUT_S)  # fmt: skip
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
-            errors.append(exc)
-
-    builders = [threading.Thread(target=build, args=(rank,)) for rank in range(2)]
-    for thread in builders:
-        thread.start()
-    for thread in builders:
-        thread.join(TIMEOUT_S)
-    assert not errors and len(runtimes) == 2, errors
+    runtimes = ep_pair(checkpoint, TIMEOUT_S, IDLE_POLL_S, ep_lost_wait_s=TIMEOUT_S)
     loops = {rank: threading.Thread(target=runtime.run) for rank, runtime in runtimes.items()}
     for loop in loops.values():
         loop.start()
