@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
+from contextlib import asynccontextmanager
+from typing import Any
 
 from afd_ray.config import AFDConfig
 from afd_ray.connector.channel import FFNAddress
@@ -21,6 +23,17 @@ SERVING, EP_LOST = LoopState.SERVING, LoopState.EP_LOST
 ADDRESS = FFNAddress("127.0.0.1", 1, 2)
 WITHIN_S = 20.0
 """Bound on every wait of these tests (they take about a second each)."""
+
+
+@asynccontextmanager
+async def _tasks(*coroutines: Coroutine[Any, Any, None]) -> AsyncIterator[None]:
+    """Runs `coroutines` as tasks for the body of the `async with`, cancelled on the way out."""
+    tasks = [asyncio.create_task(coroutine) for coroutine in coroutines]
+    try:
+        yield
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 def _ffn(rank: int, epoch: int, layout: tuple[int, ...], loop: LoopState = SERVING) -> FFNMember:
@@ -124,9 +137,7 @@ def test_a_restart_in_the_middle_of_a_recovery_reforms_the_layout() -> None:
     alive = {0: EP_LOST}
 
     async def run() -> None:
-        watch = asyncio.create_task(recovery.watch())
-        reports = asyncio.create_task(_report(registry, recovery, alive))
-        try:
+        async with _tasks(recovery.watch(), _report(registry, recovery, alive)):
             registry.rejoin_attention(_attention(0, ffn_peer=1, epoch=3))
             registry.rejoin_attention(_attention(1, ffn_peer=0, epoch=2))
             registry.rejoin_ffn(_ffn(0, 3, (0, 1), EP_LOST), (0, 1), 3)
@@ -137,9 +148,6 @@ def test_a_restart_in_the_middle_of_a_recovery_reforms_the_layout() -> None:
             serve.states["ffn#2"] = "RUNNING"
             alive[replacement] = SERVING
             await _until(lambda: not recovery.recovering)
-        finally:
-            watch.cancel()
-            reports.cancel()
 
     asyncio.run(run())
     assert registry.layout == (0, 2) and registry.layout_epoch > 3 and registry.plan is None
@@ -163,18 +171,13 @@ def test_a_layout_whose_every_rank_lost_its_ep_group_is_reformed() -> None:
     alive = {0: EP_LOST, 1: EP_LOST}
 
     async def run() -> None:
-        watch = asyncio.create_task(recovery.watch())
-        reports = asyncio.create_task(_report(registry, recovery, alive))
-        try:
+        async with _tasks(recovery.watch(), _report(registry, recovery, alive)):
             registry.rejoin_attention(_attention(0, ffn_peer=0, epoch=3))
             registry.rejoin_attention(_attention(1, ffn_peer=1, epoch=3))
             for rank in (0, 1):
                 registry.rejoin_ffn(_ffn(rank, 3, (0, 1), EP_LOST), (0, 1), 3)
             assert registry.layout == (0, 1)
             await _until(lambda: registry.layout_epoch > 3 and not recovery.recovering)
-        finally:
-            watch.cancel()
-            reports.cancel()
 
     asyncio.run(run())
     assert registry.layout == (0, 1) and registry.plan is None
