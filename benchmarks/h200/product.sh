@@ -32,7 +32,11 @@
 # steps are FULL graphs too; `-piecewise` layouts: piecewise);
 # EAGER=1 runs both eager.
 # Time limits per part: EQUAL_S, DSV2_S, QWEN3_S, FANIN_S seconds (defaults 200, 500, 420, 540);
-# BATCHES (default "16 64 256") and MAX_TOKENS (default 128) trim a run.
+# BATCHES (default "16 64 256"), MAX_TOKENS (default 256) and REQUESTS (requests per
+# stream, default 2) size a run. A measured round of 16 x 128 tokens lasted 1.2 s on the
+# H200, and plain vLLM's tok/s moved 25-35% between runs (README, 2026-12-03); 2 x 256
+# tokens per stream make it about 4 s. The three batches then take about 10 min: run
+# BATCHES="16 64" and BATCHES=256 in two device calls (each still plain and AFD in one run).
 # Last, `python -m afd_ray.bench.summary` writes OUT/product.json (the issue-13 keys) from
 # what the parts wrote; run `micro.sh OUT cuda_ipc moe_layer` into the same OUT before
 # for its roundtrip and MoE-layer keys.
@@ -58,8 +62,8 @@ bench() {  # bench NAME SECONDS SHAPE PROMPT_TOKENS KV_GIB ATTENTION_MEMORY PLAI
   local name=$1 limit=$2 shape=$3 prompt=$4 kv=$5 memory=$6 plain=$7; shift 7
   run "$name" "$limit" python3 -m afd_ray.bench --platform cuda --dtype bfloat16 --families "$shape" $eager \
     --topologies ${TOPOLOGIES:-plain 1A1F} --concurrency ${BATCHES:-16 64 256} --prompt-tokens "$prompt" \
-    --max-tokens ${MAX_TOKENS:-128} "$@" \
-    --requests-per-stream 1 --max-model-len $((prompt + 256)) --kv-cache-gib "$kv" \
+    --max-tokens ${MAX_TOKENS:-256} "$@" \
+    --requests-per-stream ${REQUESTS:-2} --max-model-len $((prompt + 256)) --kv-cache-gib "$kv" \
     --gpu-memory-utilization "$memory" --plain-gpu-memory-utilization "$plain" --checkpoints /tmp/afd-shapes \
     --request-timeout-s 400 --out "$out/$name.json"
 }
