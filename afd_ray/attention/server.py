@@ -21,7 +21,8 @@ import asyncio
 import json
 import logging
 import os
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import ray
@@ -61,7 +62,7 @@ from afd_ray.config import (
     ModelConfig,
     ObservabilityConfig,
 )
-from afd_ray.control.membership import AttentionAssignment, AttentionMember, MemberState
+from afd_ray.control.membership import AttentionAssignment, AttentionDirective, AttentionMember, MemberState
 from afd_ray.control.serve_api import app_deleting
 from afd_ray.models.embedded import resolve_checkpoint
 from afd_ray.observability.publish import AttentionPublisher
@@ -69,7 +70,7 @@ from afd_ray.observability.recorder import AttentionRecorder
 from afd_ray.observability.steps import AttentionStep
 from afd_ray.serve.protocol import ChatChunk, CompletionChunk
 
-__all__ = ["AttentionServer"]
+__all__ = ["AttentionServer", "next_assignment"]
 
 logger = logging.getLogger(__name__)
 
@@ -241,18 +242,21 @@ class AttentionServer:
         """Forever: answer the worker whose FFN peer died inside a forward pass (it
         sends the assignment it held) with the next one, once the coordinator moved
         this rank to a live FFN peer (a newer epoch). The engine is blocked in that
-        pass meanwhile, so this runs beside `_watch`, not through the engine."""
+        pass meanwhile, so this runs beside `_watch`, not through the engine.
+
+        Each answer waits at most the worker's own bound, `peer_lost_wait_s`
+        (`next_assignment`); past it the worker has given up (that pass fails with
+        PeerLostError), and the reply is the held assignment, which only returns the
+        REP socket to receiving."""
         while True:
             held = AttentionAssignment.model_validate_json(await self._rescue.recv_string())
-            while True:
-                try:
-                    directive = await self._coordinator.attention_poll.remote(self.rank)
-                except Exception:  # the coordinator is restarting
-                    directive = None
-                new = directive.assignment if directive is not None else None
-                if new is not None and new.epoch > held.epoch:
-                    break
-                await asyncio.sleep(_WATCH_PERIOD_S / 2)
+            new = await next_assignment(lambda: self._coordinator.attention_poll.remote(self.rank), held,
+                                        _WATCH_PERIOD_S / 2)  # fmt: skip
+            if new is None:
+                logger.warning("attention rank %d: no FFN peer after %d within %.0f s (connector.peer_lost_wait_s)",
+                               self.rank, held.ffn_rank, held.peer_lost_wait_s)  # fmt: skip
+                await self._rescue.send_string(held.model_dump_json())
+                continue
             assignment = self._with_rescue(new)
             self._assignment = assignment  # `_watch` must not re-peer the engine once more
             os.environ[ASSIGNMENT_ENV] = assignment.model_dump_json()
@@ -432,3 +436,24 @@ def _error(exc: Exception) -> ErrorResponse:
     if response.error.code >= 500:
         logger.exception("request failed", exc_info=exc)
     return response
+
+
+async def next_assignment(
+    poll: Callable[[], Awaitable[AttentionDirective | None]], held: AttentionAssignment, period_s: float
+) -> AttentionAssignment | None:
+    """The assignment after `held` (a newer epoch), polling the coordinator's
+    directive for this rank (`poll`, e.g. `Coordinator.attention_poll`) every
+    `period_s` seconds; None once `held.peer_lost_wait_s` seconds passed without
+    one. A poll that raises (the coordinator is restarting) or returns None (it
+    does not know the rank yet) counts as no new assignment."""
+    deadline = time.monotonic() + held.peer_lost_wait_s
+    while True:
+        try:
+            directive = await poll()
+        except Exception:  # noqa: BLE001 - the coordinator is restarting; ask again
+            directive = None
+        if directive is not None and directive.assignment is not None and directive.assignment.epoch > held.epoch:
+            return directive.assignment
+        if time.monotonic() + period_s > deadline:
+            return None
+        await asyncio.sleep(period_s)
