@@ -85,6 +85,7 @@ _F2A_TAGS = (2,)
 _CLOSE_TAG = 5
 """Tag of the receive whose timeout closes a gloo pair (`_GroupPair.close`); never sent."""
 _CLOSE_WAIT = timedelta(milliseconds=1)
+"""How long closing waits on that receive; its timeout is what closes the pair."""
 _TRANSPORT_KEY = "transport"
 """Pair-store key under which the attention side announces its transport."""
 
