@@ -35,12 +35,12 @@ Protocol rules (why it cannot deadlock with one FFN peer per attention rank):
    dropped, never applied; so is one from a peer that has not joined.
 
 Release on `close()`: the FFN waits for headers with a poll timeout, so stopping the
-loop releases it within one poll. `shm` waits end at once on `close()` (the socket is
-shut down). A gloo data-plane receive already posted cannot be
-cancelled from the same process (gloo's `abort()`/`shutdown()` do not wake it, and a
-gloo wait that times out closes the pair); it ends when its data arrives, when the
-peer closes or dies (gloo reports "connection closed by peer" at once), or after
-`timeout_s`. Rule 3 keeps every posted receive short.
+loop releases it within one poll. Data-plane waits end at once on `close()`: `shm`
+shuts its socket down; gloo times out a receive nobody answers, which makes gloo
+close the pair's TCP connection and fail every wait on it (`_GroupPair.close`), and
+the peer sees the connection closed at once. Either way the error is
+`PeerLostError` "pair closed", and nothing is written into a receive's buffer after
+`close()` returned. NCCL/HCCL waits end when their peer closes or at `timeout_s`.
 
 CUDA (`nccl`): every data-plane call returns at once on the host; it is queued on the
 pair group's NCCL stream after the work already queued on the caller's current CUDA
@@ -82,6 +82,10 @@ _LEAVE_LINGER_MS = 1000
 _A2F_TAGS = (1, 3, 4)
 """Process-group tags of the A2F tensors: hidden states, top-k ids, top-k weights."""
 _F2A_TAGS = (2,)
+_CLOSE_TAG = 5
+"""Tag of the receive whose timeout closes a gloo pair (`_GroupPair.close`); never sent."""
+_CLOSE_WAIT = timedelta(milliseconds=1)
+"""How long closing waits on that receive; its timeout is what closes the pair."""
 _TRANSPORT_KEY = "transport"
 """Pair-store key under which the attention side announces its transport."""
 
@@ -107,17 +111,18 @@ def _pair_store(store: dist.Store, peer: int, epoch: int) -> dist.Store:
 
 
 class _Works:
-    """`Pending` over process-group `Work`s; failures become `PeerLostError`."""
+    """`Pending` over process-group `Work`s; failures become `PeerLostError` ("pair
+    closed" once the pair was closed, before or during the wait)."""
 
-    def __init__(self, works: list[dist.Work], peer: int) -> None:
-        self._works, self._peer = works, peer
+    def __init__(self, works: list[dist.Work], pair: _GroupPair) -> None:
+        self._works, self._pair = works, pair
 
     def wait(self) -> None:
         try:
             for work in self._works:
                 work.wait()
         except RuntimeError as exc:
-            raise PeerLostError(self._peer, str(exc)) from exc
+            raise self._pair.lost(exc) from exc
 
 
 class _GroupPair:
@@ -127,16 +132,23 @@ class _GroupPair:
         self._groups, self._peer, self._backend = groups, peer, backend
         self._other = 0 if side == "attention" else 1
         self._send_tags, self._recv_tags = (_A2F_TAGS, _F2A_TAGS) if side == "attention" else (_F2A_TAGS, _A2F_TAGS)
+        self._closed = False
 
     def send(self, tensors: Sequence[torch.Tensor], ubatch: int) -> _Works:
         contiguous(tensors)
-        group = self._groups[ubatch]
-        return _Works([group.send([t], self._other, tag) for t, tag in zip(tensors, self._send_tags)], self._peer)
+        group = self._open(ubatch)
+        try:
+            return _Works([group.send([t], self._other, tag) for t, tag in zip(tensors, self._send_tags)], self)
+        except RuntimeError as exc:
+            raise self.lost(exc) from exc
 
     def recv(self, outs: Sequence[torch.Tensor], ubatch: int) -> _Works:
         contiguous(outs)
-        group = self._groups[ubatch]
-        return _Works([group.recv([t], self._other, tag) for t, tag in zip(outs, self._recv_tags)], self._peer)
+        group = self._open(ubatch)
+        try:
+            return _Works([group.recv([t], self._other, tag) for t, tag in zip(outs, self._recv_tags)], self)
+        except RuntimeError as exc:
+            raise self.lost(exc) from exc
 
     def exchange(self, sends: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], ubatch: int) -> None:
         """Sends then the answer. With gloo the receive is posted first, so the FFN
@@ -149,8 +161,36 @@ class _GroupPair:
         self.send(sends, ubatch).wait()
         self.recv(outs, ubatch).wait()
 
+    def lost(self, exc: RuntimeError) -> PeerLostError:
+        """The error of a failed call or wait: "pair closed" once `close()` ran (it
+        fails the waits it releases), else the backend's reason."""
+        return PeerLostError(self._peer, "pair closed" if self._closed else str(exc))
+
+    def _open(self, ubatch: int) -> dist.ProcessGroup:
+        if self._closed:
+            raise PeerLostError(self._peer, "pair closed")
+        return self._groups[ubatch]
+
     def close(self) -> None:
+        """Close the pair's connections and release every wait on them, also one
+        blocked in another thread; every call and wait afterwards fails with
+        `PeerLostError` "pair closed". Idempotent.
+
+        gloo has no call that cancels a posted receive (`abort()`/`shutdown()` leave
+        it waiting, and data arriving later is still written into its buffer), but a
+        wait that times out closes its TCP pair (gloo's "Application timeout caused
+        pair closure"), which fails every other wait on that pair at once and shows
+        the peer a closed connection: so closing waits 1 ms on a receive of a tag
+        nobody sends. The pair's buffers are never written afterwards."""
+        if self._closed:
+            return
+        self._closed = True
         for group in self._groups:
+            if self._backend == "gloo":
+                try:
+                    group.recv([torch.empty(1, dtype=torch.uint8)], self._other, _CLOSE_TAG).wait(_CLOSE_WAIT)
+                except RuntimeError:
+                    pass  # the expected timeout, or the pair was closed already (the peer closed or died)
             group.shutdown()
 
 

@@ -53,8 +53,9 @@ Errors, the same for every transport:
   and repeat the current layer with `send_header(T, first_layer=layer)`.
 - `ValueError`: a tensor not contiguous, or of a shape the header did not announce.
 - Every wait is bounded by `timeout_s`, and `close()` from another thread releases a
-  wait of the transports that can be woken (`shm`: at once; gloo/NCCL receives end
-  when their peer closes or at `timeout_s`, see `afd_ray.connector.channel`).
+  wait of the transports that can be woken (`shm`, `gloo`: at once, with
+  `PeerLostError` "pair closed"; NCCL/HCCL receives end when their peer closes or at
+  `timeout_s`, see `afd_ray.connector.channel`).
 
 Transports (`Transport`), picked per pair by `select_transport`:
 - `shm`: both processes on one host, CPU tensors: shared-memory slots plus a Unix

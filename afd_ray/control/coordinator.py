@@ -255,10 +255,11 @@ class Coordinator:
         return registry.attention_assignment(member.rank)
 
     async def attention_ready(self, rank: int) -> None:
-        """Attention rank `rank` started its engine and opened its pair channel."""
-        registry = self._registry
-        registry.set_attention(rank, MemberState.READY, peered_epoch=registry.attention[rank].epoch)
-        await registry.notify()
+        """Attention rank `rank` started its engine and opened its pair channel. A rank
+        this coordinator does not know (restarted before it rejoined) is ignored with
+        a warning, here and in the three reports below (`Registry.attention_ready`)."""
+        if self._registry.attention_ready(rank):
+            await self._registry.notify()
 
     async def attention_poll(self, rank: int) -> AttentionDirective | None:
         """What attention rank `rank` must do now: its state (DRAINING once Serve
@@ -268,20 +269,18 @@ class Coordinator:
 
     async def attention_peered(self, rank: int, epoch: int) -> None:
         """Attention rank `rank` re-peered: its pair channel of `epoch` is open."""
-        registry = self._registry
-        registry.attention[rank] = registry.attention[rank].model_copy(update={"peered_epoch": epoch})
-        await registry.notify()
+        if self._registry.attention_peered(rank, epoch):
+            await self._registry.notify()
 
     async def attention_leaving(self, rank: int) -> None:
         """Attention rank `rank` is being removed (DRAINING)."""
-        if self._registry.attention[rank].state is not MemberState.DRAINING:
-            self._registry.set_attention(rank, MemberState.DRAINING)
+        if self._registry.attention_leaving(rank):
             await self._registry.notify()
 
     async def attention_gone(self, rank: int) -> None:
         """Attention rank `rank` closed its pair channel (LEAVE sent) and exits."""
-        self._registry.set_attention(rank, MemberState.GONE)
-        await self._registry.notify()
+        if self._registry.attention_gone(rank):
+            await self._registry.notify()
 
     # --- resizes ---------------------------------------------------------------
 

@@ -180,6 +180,57 @@ class Registry:
         self.attention[rank] = member.model_copy(update={"state": member.state.to(state), **update})
         logger.info("attention rank %d: %s -> %s", rank, member.state.value, state.value)
 
+    # --- what attention ranks report (`Coordinator.attention_*`) ----------------------
+    # Each returns whether the registry changed (the caller then wakes `wait`ers). A
+    # rank this registry does not know (a restarted coordinator before that rank
+    # rejoined) is ignored with a warning, not re-registered: these reports carry
+    # only the rank id, while a record needs its FFN peer, epoch, replica and node,
+    # which the rank sends itself through `rejoin_attention` once its next poll
+    # (`attention_directive`) returns None. A leaving rank that is unknown here has
+    # no pairing to drain or retire; its FFN peer drops it on LEAVE.
+
+    def attention_ready(self, rank: int) -> bool:
+        """Attention rank `rank` opened its pair channel: READY, peered under its
+        assignment's epoch. False (nothing changed): the rank is unknown."""
+        member = self._reporting(rank, "ready")
+        if member is None:
+            return False
+        self.set_attention(rank, MemberState.READY, peered_epoch=member.epoch)
+        return True
+
+    def attention_peered(self, rank: int, epoch: int) -> bool:
+        """Attention rank `rank` opened its pair channel of `epoch`. False: unknown."""
+        member = self._reporting(rank, f"peered under epoch {epoch}")
+        if member is None:
+            return False
+        self.attention[rank] = member.model_copy(update={"peered_epoch": epoch})
+        return True
+
+    def attention_leaving(self, rank: int) -> bool:
+        """Attention rank `rank` is being removed: DRAINING. False: unknown, or it
+        already drains."""
+        member = self._reporting(rank, "leaving")
+        if member is None or member.state is MemberState.DRAINING:
+            return False
+        self.set_attention(rank, MemberState.DRAINING)
+        return True
+
+    def attention_gone(self, rank: int) -> bool:
+        """Attention rank `rank` closed its pair channel and exits: GONE. False: unknown."""
+        if self._reporting(rank, "gone") is None:
+            return False
+        self.set_attention(rank, MemberState.GONE)
+        return True
+
+    def _reporting(self, rank: int, report: str) -> AttentionMember | None:
+        """The record of attention rank `rank`, or None with a warning when this
+        registry does not know it."""
+        member = self.attention.get(rank)
+        if member is None:
+            logger.warning("attention rank %d reported %s but is not registered here (the coordinator restarted "
+                           "before it rejoined): ignored, it rejoins at its next poll", rank, report)  # fmt: skip
+        return member
+
     def repeer(self, rank: int, ffn_peer: int) -> None:
         """Move attention rank `rank` to FFN peer `ffn_peer` under a new epoch."""
         member = self.attention[rank]

@@ -259,3 +259,36 @@ def test_recovery_finds_dead_ranks() -> None:
         assert "no report for" in recovery.dead(None)[1]
 
     asyncio.run(run())
+
+
+def test_attention_reports_of_an_unknown_rank_are_ignored_until_it_rejoins(caplog: pytest.LogCaptureFixture) -> None:
+    """After a coordinator restart, an attention rank that has not rejoined yet may
+    still report ready / peered / leaving / gone: each is ignored with a warning (the
+    old registry raised KeyError), nothing is registered, and the rank's next poll
+    reads None, so it rejoins with its full record; then its reports apply again."""
+    registry = Registry("gloo", 5.0, 1)
+    registry.add_ffn(FFNAddress("h0", 10, 11))
+    before = dict(registry.attention), registry.epoch
+    with caplog.at_level("WARNING", logger="ray.serve"):
+        assert not registry.attention_ready(3)
+        assert not registry.attention_peered(3, 2)
+        assert not registry.attention_leaving(3)
+        assert not registry.attention_gone(3)
+    warned = [r.getMessage() for r in caplog.records if "attention rank 3 reported" in r.getMessage()]
+    assert len(warned) == 4 and all("not registered here" in m for m in warned), warned
+    assert (dict(registry.attention), registry.epoch) == before
+    assert registry.attention_directive(3) is None  # the rank's poll: rejoin
+    registry.rejoin_attention(AttentionMember(rank=3, ffn_peer=0, state=READY, epoch=2, peered_epoch=1))
+    assert registry.attention_peered(3, 2) and registry.attention[3].peered_epoch == 2
+    assert registry.attention_leaving(3) and registry.attention[3].state is DRAINING
+    assert not registry.attention_leaving(3)  # already draining: nothing changes
+    assert registry.attention_gone(3) and registry.attention[3].state is GONE
+
+
+def test_attention_ready_marks_a_known_rank_peered_under_its_epoch() -> None:
+    registry = Registry("gloo", 5.0, 1)
+    registry.add_ffn(FFNAddress("h0", 10, 11))
+    registry.next_epoch()
+    member = registry.add_attention("r0")
+    assert registry.attention_ready(member.rank)
+    assert (registry.attention[member.rank].state, registry.attention[member.rank].peered_epoch) == (READY, 1)
