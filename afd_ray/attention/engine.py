@@ -129,6 +129,15 @@ def engine_env(attention: AttentionPoolConfig) -> dict[str, str]:
       the AFD MoE classes included. (On CPU vLLM captures no graphs, and its V2
       runner needs Triton.)
 
+    - `SPT_NOENV=1`: vLLM titles the EngineCore process (`VLLM::EngineCore`) with
+      `setproctitle`, which by default makes room for the title by zeroing the
+      process's exec-time environment strings (those after argv, up to the first
+      one the process changed before the title was set). The process's own
+      `os.environ` is unaffected, but `/proc/<pid>/environ` (`ps e`, psutil) then
+      shows none or part of this env, depending on the variables' order. With
+      `SPT_NOENV` setproctitle writes the title within argv only (the spawn command
+      line is far longer than the title).
+
     `VLLM_CPU_*` variables are read only by the CPU backend.
     """
     full = attention.cudagraph_mode == "full_decode" and not attention.enforce_eager and current_platform.is_cuda()
@@ -138,4 +147,5 @@ def engine_env(attention: AttentionPoolConfig) -> dict[str, str]:
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         "OMP_WAIT_POLICY": "PASSIVE",
         "KMP_BLOCKTIME": "0",
+        "SPT_NOENV": "1",
     }

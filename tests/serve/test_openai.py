@@ -7,11 +7,13 @@ once for the session by the `client` fixture of tests/conftest.py.
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import httpx
 import psutil
 import pytest
+import ray
 from ray import serve
 from ray.util import placement_group_table
 
@@ -251,35 +253,40 @@ def test_each_pool_member_has_its_own_strict_pack_group(
     assert [group["bundles"] for group in members] == [{0: bundle}] * section["num_ranks"]
 
 
-def _is_afd_engine(process: psutil.Process) -> bool:
-    """A live `VLLM::` process of an AFD attention rank (it carries the FFN peer
-    assignment); engines of other tests may linger as zombies."""
-    try:
-        return " ".join(process.cmdline()).startswith("VLLM::") and ASSIGNMENT_ENV in process.environ()
-    except (psutil.ZombieProcess, psutil.NoSuchProcess, psutil.AccessDenied):
-        return False
+def _replica_pids(app: str, deployment: str) -> list[int]:
+    """The process ids of the running replicas of `deployment` in Serve application
+    `app` (Serve names a replica's actor `SERVE_REPLICA::<app>#<deployment>#<id>`)."""
+    prefix = f"SERVE_REPLICA::{app}#{deployment}#"
+    actors = [
+        ray.get_actor(actor["name"], namespace=actor["namespace"])
+        for actor in ray.util.list_named_actors(all_namespaces=True)
+        if actor["name"].startswith(prefix)
+    ]
+    return ray.get([actor.__ray_call__.remote(lambda _: os.getpid()) for actor in actors], timeout=30)
 
 
-@pytest.mark.xfail(
-    reason="found no AFD engine process when run after the module's other tests on 2026-12-03's merged main "
-    "(the engine is there with the fixture alone); not yet diagnosed, README 'Known failures'",
-    strict=False,
-)
-def test_engine_processes_inherit_the_engine_env(client: httpx.Client) -> None:
-    """vLLM's EngineCore process runs with the env of `engine_env`, and the model runs
-    in it: no worker process of its own (vLLM's CPU platform forces its `mp` executor
-    unless `VLLM_ENABLE_V1_MULTIPROCESSING=0`; that worker re-imported vLLM at every
-    rank start).
+def test_engine_processes_inherit_the_engine_env(client: httpx.Client, args: dict[str, object]) -> None:
+    """vLLM's EngineCore process of each attention replica of the session app runs
+    with the env of `engine_env` and the FFN peer assignment, and the model runs in it:
+    no worker process of its own (vLLM's CPU platform forces its `mp` executor unless
+    `VLLM_ENABLE_V1_MULTIPROCESSING=0`; that worker re-imported vLLM at every rank
+    start).
 
-    Searched machine-wide rather than among this process's descendants: once, in a
-    full CI run, the session app's engines were not found among them."""
-    engines = [p for p in psutil.process_iter() if _is_afd_engine(p)]
-    assert engines, "no vLLM engine process of an attention rank found"
-    for process in engines:
+    The engines are the replicas' own child processes, found through Ray. The env is
+    the one the engine was started with (`/proc/<pid>/environ`), readable there
+    because `engine_env` sets `SPT_NOENV` (tests/attention/test_engine_env.py)."""
+    replicas = _replica_pids("afd", "attention")
+    assert len(replicas) == args["attention"]["num_ranks"]
+    for replica in replicas:
+        children = {child.pid: " ".join(child.cmdline()) for child in psutil.Process(replica).children()}
+        engines = [pid for pid, cmdline in children.items() if cmdline.startswith("VLLM::EngineCore")]
+        assert len(engines) == 1, children
+        process = psutil.Process(engines[0])
         env = process.environ()
+        assert ASSIGNMENT_ENV in env
         assert env["OMP_NUM_THREADS"] == "1"
         assert env["OMP_WAIT_POLICY"] == "PASSIVE"
         assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
         assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
-        children = [" ".join(child.cmdline()) for child in process.children(recursive=True)]
-        assert not [c for c in children if c.startswith("VLLM::")], (process.cmdline(), children)
+        below = [" ".join(child.cmdline()) for child in process.children(recursive=True)]
+        assert not [c for c in below if c.startswith("VLLM::")], (process.cmdline(), below)
