@@ -12,12 +12,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypedDict
 
+import os
+
 import torch
 
 if TYPE_CHECKING:
     from afd_ray.config import Platform
 
 __all__ = [
+    "DATA_PLANE_NICE",
+    "lower_data_plane_priority",
     "ActorResources",
     "PlatformSpec",
     "actor_resources",
@@ -100,3 +104,18 @@ def visible_devices_env(platform: Platform) -> str | None:
     """The environment variable that limits a process to some devices of `platform`
     (`CUDA_VISIBLE_DEVICES`, `ASCEND_RT_VISIBLE_DEVICES`), or None for CPU."""
     return _PLATFORMS[platform].visible_devices
+
+
+DATA_PLANE_NICE = 5
+"""Niceness the model's compute adds to the calling thread (`lower_data_plane_priority`)."""
+
+
+def lower_data_plane_priority() -> None:
+    """Lower the calling thread's CPU priority by `DATA_PLANE_NICE` (Linux niceness is
+    per thread; threads and processes it starts later inherit it): the attention
+    replica before it spawns vLLM's EngineCore, the FFN rank's compute loop. The
+    control plane on the same cores (the ingress deciding admission, HAProxy, the
+    coordinator, Ray and Serve's health checks) then runs first when the cores are
+    full, so a refusal under overload does not queue behind model steps. Raising the
+    niceness needs no privilege; it cannot be undone without one."""
+    os.nice(DATA_PLANE_NICE)

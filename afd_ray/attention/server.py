@@ -65,6 +65,7 @@ from afd_ray.config import (
 from afd_ray.control.membership import AttentionAssignment, AttentionDirective, AttentionMember, MemberState
 from afd_ray.control.serve_api import app_deleting
 from afd_ray.models.embedded import resolve_checkpoint
+from afd_ray.platform import lower_data_plane_priority
 from afd_ray.observability.publish import AttentionPublisher
 from afd_ray.observability.recorder import AttentionRecorder
 from afd_ray.observability.steps import AttentionStep
@@ -141,6 +142,7 @@ class AttentionServer:
         os.environ.update(engine_env(attention))
         os.environ[ASSIGNMENT_ENV] = assignment.model_dump_json()
         checkpoint = resolve_checkpoint(model)
+        lower_data_plane_priority()  # the EngineCore inherits it
         self._start(
             engine_args(model, attention, checkpoint, gate_placement), model.name, checkpoint, observability.metrics
         )

@@ -47,7 +47,7 @@ from afd_ray.ffn.moe import MoE
 from afd_ray.ffn.runtime import FFNRuntime, LayoutSwitch
 from afd_ray.models.embedded import resolve_checkpoint
 from afd_ray.observability.publish import FFNPublisher
-from afd_ray.platform import collective_backend, torch_device
+from afd_ray.platform import collective_backend, lower_data_plane_priority, torch_device
 
 __all__ = ["FFNServer"]
 
@@ -129,7 +129,8 @@ class FFNServer:
             step_records=observability.step_records, ep_lost_wait_s=connector.peer_lost_wait_s,
         )
         self._publisher = FFNPublisher(self.rank) if observability.metrics else None
-        self._loop = threading.Thread(target=self._runtime.run, name=f"afd-ffn-{self.rank}", daemon=True)
+        self._loop = threading.Thread(target=_run_niced, args=(self._runtime,), name=f"afd-ffn-{self.rank}",
+                                      daemon=True)  # fmt: skip
         self._loop.start()
         self._reporter = asyncio.create_task(self._report())
 
@@ -286,3 +287,9 @@ def _log_failure(task: asyncio.Task) -> None:
     an error in its event)."""
     if not task.cancelled() and task.exception() is not None:
         logger.error("FFN layout preparation failed", exc_info=task.exception())
+
+
+def _run_niced(runtime: FFNRuntime) -> None:
+    """The FFN compute loop's thread: `runtime.run()` below the control plane's priority."""
+    lower_data_plane_priority()
+    runtime.run()
