@@ -98,9 +98,8 @@ ingress replica itself took 46-63 ms per refusal (its access log) against 4-29 m
 passing run. Through Serve's Python HTTP proxy, which
 this replaced, the same bursts took 62-93 ms median and 73-99 ms p90 (69-150 / 90-175 ms
 in an earlier run). On 2026-12-03, a slower day of the same machine, this test took
-34-64 ms median and 67-110 ms p90 (one full-suite failure at 110 ms), and 23-33 / 52-54
-ms once the model's compute ran below the control plane's CPU priority
-(`afd_ray.platform.lower_data_plane_priority`)."""
+34-64 ms median and 67-110 ms p90, and 23-80 / 52-102 ms once the model's compute ran
+below the control plane's CPU priority (`afd_ray.platform.lower_data_plane_priority`)."""
 
 
 def _answer_to_half_a_body(client: httpx.Client) -> tuple[bytes, float]:

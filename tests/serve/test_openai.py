@@ -306,9 +306,8 @@ def test_model_compute_runs_below_the_control_planes_priority(client: httpx.Clie
     """`lower_data_plane_priority`: each attention replica's EngineCore, and the FFN
     replica's compute loop thread, run `DATA_PLANE_NICE` below the replica process's
     own priority, which the ingress replica keeps on every thread; so on full cores
-    the ingress answers a refusal before the next model step (tests/serve/test_admission.py
-    timed refusals 56 / 110 ms median / p90 once without it, 23-33 / 52-54 ms with it,
-    on the 2-core machine)."""
+    the ingress, HAProxy and the coordinator run before the next model step (README
+    "Overload, access and failures")."""
     for replica in _replica_pids("afd", "attention"):
         base = psutil.Process(replica).nice()
         children = psutil.Process(replica).children()
