@@ -9,10 +9,9 @@ NPU to run on). It needs `torch_npu` imported before its device or backend is us
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypedDict
-
-import os
 
 import torch
 
@@ -21,11 +20,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DATA_PLANE_NICE",
-    "lower_data_plane_priority",
     "ActorResources",
     "PlatformSpec",
     "actor_resources",
     "collective_backend",
+    "lower_data_plane_priority",
     "platform_spec",
     "resource_key",
     "torch_device",
@@ -113,7 +112,8 @@ DATA_PLANE_NICE = 5
 def lower_data_plane_priority() -> None:
     """Lower the calling thread's CPU priority by `DATA_PLANE_NICE` (Linux niceness is
     per thread; threads and processes it starts later inherit it): the attention
-    replica before it spawns vLLM's EngineCore, the FFN rank's compute loop. The
+    replica's event-loop thread before it spawns vLLM's EngineCore (that thread, which
+    streams the replica's tokens, stays lowered too), the FFN rank's compute loop. The
     control plane on the same cores (the ingress deciding admission, HAProxy, the
     coordinator, Ray and Serve's health checks) then runs first when the cores are
     full, so a refusal under overload does not queue behind model steps. Raising the

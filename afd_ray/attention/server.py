@@ -65,10 +65,10 @@ from afd_ray.config import (
 from afd_ray.control.membership import AttentionAssignment, AttentionDirective, AttentionMember, MemberState
 from afd_ray.control.serve_api import app_deleting
 from afd_ray.models.embedded import resolve_checkpoint
-from afd_ray.platform import lower_data_plane_priority
 from afd_ray.observability.publish import AttentionPublisher
 from afd_ray.observability.recorder import AttentionRecorder
 from afd_ray.observability.steps import AttentionStep
+from afd_ray.platform import lower_data_plane_priority
 from afd_ray.serve.protocol import ChatChunk, CompletionChunk
 
 __all__ = ["AttentionServer", "next_assignment"]

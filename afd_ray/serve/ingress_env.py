@@ -21,7 +21,7 @@ from ray.serve._private.haproxy import get_haproxy_binary
 
 __all__ = ["INGRESS_ENV", "haproxy_installed", "private_cluster_env"]
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 INGRESS_ENV = MappingProxyType({
     "RAY_SERVE_ENABLE_HA_PROXY": "1",
@@ -42,7 +42,7 @@ def private_cluster_env() -> dict[str, str]:
     Empty where `haproxy_installed()` is false: Serve's Python proxy then takes the
     HTTP traffic (Ray would otherwise fail `serve.start` with FileNotFoundError)."""
     if not haproxy_installed():
-        log.warning("no HAProxy binary: Serve's Python proxy serves HTTP (no direct ingress)")
+        logger.warning("no HAProxy binary: Serve's Python proxy serves HTTP (no direct ingress)")
         return {}
     return dict(INGRESS_ENV) | {
         "RAY_SERVE_HAPROXY_STATS_PORT": str(_free_port()),

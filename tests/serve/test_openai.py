@@ -266,6 +266,14 @@ def _replica_pids(app: str, deployment: str) -> list[int]:
     return ray.get([actor.__ray_call__.remote(lambda _: os.getpid()) for actor in actors], timeout=30)
 
 
+def _engine_of(replica: int) -> psutil.Process:
+    """The one vLLM EngineCore child process of the attention replica with pid `replica`."""
+    children = psutil.Process(replica).children()
+    engines = [child for child in children if " ".join(child.cmdline()).startswith("VLLM::EngineCore")]
+    assert len(engines) == 1, [(child.pid, child.cmdline()) for child in children]
+    return engines[0]
+
+
 def test_engine_processes_inherit_the_engine_env(client: httpx.Client, args: dict[str, object]) -> None:
     """vLLM's EngineCore process of each attention replica of the session app runs
     with the env of `engine_env` and the FFN peer assignment, and the model runs in it:
@@ -279,10 +287,7 @@ def test_engine_processes_inherit_the_engine_env(client: httpx.Client, args: dic
     replicas = _replica_pids("afd", "attention")
     assert len(replicas) == args["attention"]["num_ranks"]
     for replica in replicas:
-        children = {child.pid: " ".join(child.cmdline()) for child in psutil.Process(replica).children()}
-        engines = [pid for pid, cmdline in children.items() if cmdline.startswith("VLLM::EngineCore")]
-        assert len(engines) == 1, children
-        process = psutil.Process(engines[0])
+        process = _engine_of(replica)
         env = process.environ()
         assert ASSIGNMENT_ENV in env
         assert env["OMP_NUM_THREADS"] == "1"
@@ -309,11 +314,8 @@ def test_model_compute_runs_below_the_control_planes_priority(client: httpx.Clie
     the ingress, HAProxy and the coordinator run before the next model step (README
     "Overload, access and failures")."""
     for replica in _replica_pids("afd", "attention"):
-        base = psutil.Process(replica).nice()
-        children = psutil.Process(replica).children()
-        engines = [c for c in children if " ".join(c.cmdline()).startswith("VLLM::EngineCore")]
-        assert len(engines) == 1, [(c.pid, c.cmdline()) for c in children]
-        assert engines[0].nice() == min(19, base + DATA_PLANE_NICE), (base, engines[0].nice())
+        base, engine = psutil.Process(replica).nice(), _engine_of(replica)
+        assert engine.nice() == min(19, base + DATA_PLANE_NICE), (base, engine.nice())
     for replica in _replica_pids("afd", "ffn"):
         base = psutil.Process(replica).nice()
         assert min(19, base + DATA_PLANE_NICE) in _thread_nices(replica), (base, _thread_nices(replica))
