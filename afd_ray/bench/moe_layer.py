@@ -6,14 +6,17 @@ shared experts) and of a Qwen3-30B-A3B shape (H 2048, 128 experts of I 768, top-
 shared), bfloat16, with random weights N(0, 1/fan_in) (`random_fill`: activations
 keep their scale and random rows spread over the experts; `model.load_format: dummy`
 gives both roles vLLM's dummy values instead), and runs `MoE.forward` exactly as the
-FFN runtime does (gate, routed experts, shared experts), one CUDA graph per T.
+FFN runtime does (gate, routed experts, shared experts on a side stream), one CUDA
+graph per T.
 
 1. Correctness first: for each shape and T, the routed experts of vLLM's fused MoE
    kernels (`MoE.routed_fused`, the product path on CUDA) against torch's grouped GEMMs
    in float32 on the same bfloat16 weights (`MoE.routed_grouped`), relative Frobenius
-   error; and the graph replay against the eager call, bit for bit.
+   error; the graph replay against the eager call, and the layer against its parts
+   run one after another on one stream (`_serial_layer`), bit for bit.
 2. Timing: median of CUDA-event-timed graph replays of the whole layer, fused
-   (product) and grouped GEMM (the earlier path), per T.
+   (product), its parts alone (`parts_ms_graph`: serial, route, routed, shared), and
+   grouped GEMM (the earlier path), per T.
 3. Tile sweep (`--sweep`): the routed experts alone (`routed_fused`) at T = 64, 128 and
    256 under each of a few Triton tile configs (`SWEEP`, passed through vLLM's
    `override_config`), each checked against the default config's output; vLLM ships
@@ -162,22 +165,38 @@ def run(args: argparse.Namespace) -> dict:
                 torch.cuda.synchronize()
                 eager = block(x)
                 graph_equals_eager = bool(torch.equal(static, eager))
+                serial_replay, serial = _graph(lambda: _serial_layer(block, x))
+                serial_replay()
+                torch.cuda.synchronize()
+                overlap_equals_serial = bool(torch.equal(static, serial))
                 fused_ms = _median_ms(replay, args.iters)
+                parts_ms = {
+                    "serial": _median_ms(serial_replay, args.iters),
+                    "route": _median_ms(_graph(lambda: block.route(x).weights)[0], args.iters),
+                    "routed": _median_ms(_graph(lambda: block.routed_fused(x, routing))[0], args.iters),
+                }
+                if block.shared_experts is not None:
+                    parts_ms["shared"] = _median_ms(_graph(lambda: block.shared_experts(x))[0], args.iters)
                 grouped_replay, _ = _graph(lambda: _grouped_layer(block, x))
                 grouped_ms = _median_ms(grouped_replay, args.iters)
             record = {
                 "fused_rel_err_vs_fp32": rel,
                 "graph_equals_eager": graph_equals_eager,
-                "correct": rel <= _REL_TOLERANCE and graph_equals_eager,
+                "overlap_equals_serial": overlap_equals_serial,
+                "correct": rel <= _REL_TOLERANCE and graph_equals_eager and overlap_equals_serial,
                 "layer_ms_fused_graph": fused_ms,
+                "parts_ms_graph": parts_ms,
                 "layer_ms_grouped_mm_graph": grouped_ms,
                 "fused_over_floor": fused_ms / floor_ms,
+                "serial_over_floor": parts_ms["serial"] / floor_ms,
                 "grouped_mm_over_floor": grouped_ms / floor_ms,
             }
             shape["tokens"][str(tokens)] = record
+            parts = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in parts_ms.items())
             print(
-                f"{name} T={tokens}: rel err {rel:.2e}, graph==eager {graph_equals_eager}, fused {fused_ms * 1e3:.0f} us "
-                f"({fused_ms / floor_ms:.2f}x floor {floor_ms * 1e3:.0f} us), grouped_mm {grouped_ms * 1e3:.0f} us",
+                f"{name} T={tokens}: rel err {rel:.2e}, graph==eager {graph_equals_eager}, overlap==serial "
+                f"{overlap_equals_serial}, fused {fused_ms * 1e3:.0f} us ({fused_ms / floor_ms:.2f}x floor "
+                f"{floor_ms * 1e3:.0f} us; parts us: {parts}), grouped_mm {grouped_ms * 1e3:.0f} us",
                 flush=True,
             )
             Path(args.out).write_text(json.dumps(results, indent=2))
@@ -250,6 +269,13 @@ def _float32_experts(block: MoE, rows: torch.Tensor, routing: Routing) -> torch.
         hidden = experts.act_fn(gate_up[:, :inter]) * gate_up[:, inter:]
         out[sel] = (hidden @ experts.down[expert].float().T) * weights[sel].unsqueeze(1)
     return out.view(-1, top_k, rows.shape[1]).sum(dim=1)
+
+
+def _serial_layer(block: MoE, x: torch.Tensor) -> torch.Tensor:
+    """The layer's parts one after another on one stream (`MoE.forward` without the
+    shared experts' side stream): the overlap's reference, bit for bit and in time."""
+    routing = block.route(x)
+    return block.output(block.routed_fused(x, routing), block.shared(x), x.dtype)
 
 
 def _grouped_layer(block: MoE, x: torch.Tensor) -> torch.Tensor:

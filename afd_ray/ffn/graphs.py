@@ -73,9 +73,11 @@ def ffn_layer(
     block = model.layers[layer]
     if not isinstance(block, MoE):
         return LayerOutput(block(hidden), None)
+    if ep is None:
+        out, routing = block.forward_routed(hidden, routing)
+        return LayerOutput(out, routing.ids)
     routing = block.route(hidden) if routing is None else routing
-    out = block(hidden, routing) if ep is None else ep.moe(block, hidden, routing)
-    return LayerOutput(out, routing.ids)
+    return LayerOutput(ep.moe(block, hidden, routing), routing.ids)
 
 
 def bucket_of(buckets: Sequence[int], rows: int) -> int | None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -69,15 +72,45 @@ class MoE(nn.Module):
         """Shared experts' output `[T, H]` (model dtype), or None if the layer has none."""
         return None if self.shared_experts is None else self.shared_experts(hidden)
 
+    def begin_shared(self, hidden: torch.Tensor) -> Callable[[], torch.Tensor | None]:
+        """Start the shared experts on hidden `[T, H]`; the returned call gives their
+        output `[T, H]` (model dtype), or None if the layer has none.
+
+        On CUDA they run on a side stream, overlapping what the caller queues next on
+        the current stream (routing, the routed experts), as vLLM's `SharedFusedMoE`
+        overlaps them: the call makes the current stream wait for them. This captures
+        in a CUDA graph (the side stream forks from and joins the capturing stream).
+        Elsewhere they are computed at once.
+        """
+        if self.shared_experts is None or not hidden.is_cuda:
+            shared = self.shared(hidden)
+            return lambda: shared
+        current = torch.cuda.current_stream(hidden.device)
+        side = _side_stream(hidden.device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            shared = self.shared_experts(hidden)
+
+        def join() -> torch.Tensor:
+            current.wait_stream(side)
+            return shared
+
+        return join
+
     def forward(self, hidden: torch.Tensor, routing: Routing | None = None) -> torch.Tensor:
         """The whole MoE on one rank: hidden `[T, H]` -> `[T, H]` (`[T, P, H]` with
-        `split_output`), same dtype.
+        `split_output`), same dtype (`forward_routed` without its routing)."""
+        return self.forward_routed(hidden, routing)[0]
 
-        `routing` is `route(hidden)` when the caller already computed it.
+    def forward_routed(self, hidden: torch.Tensor, routing: Routing | None = None) -> tuple[torch.Tensor, Routing]:
+        """The whole MoE on one rank and the routing it used: hidden `[T, H]` ->
+        (`[T, H]` (`[T, P, H]` with `split_output`) same dtype, `Routing`).
 
-        On CUDA the routed experts run as vLLM's fused MoE kernels (`routed_fused`,
-        the kernels plain vLLM runs); elsewhere as torch grouped GEMMs
-        (`routed_grouped`). Then `output`.
+        `routing` is `route(hidden)` when the caller already computed it. The shared
+        experts start first (`begin_shared`: on CUDA a side stream, overlapping the
+        routing and the routed experts). On CUDA the routed experts run as vLLM's
+        fused MoE kernels (`routed_fused`, the kernels plain vLLM runs); elsewhere as
+        torch grouped GEMMs (`routed_grouped`). Then `output`.
 
         Raises:
             RuntimeError: this module holds only an EP shard of the experts.
@@ -87,12 +120,13 @@ class MoE(nn.Module):
             raise RuntimeError(
                 f"MoE.forward needs all {num_experts} experts; this EP shard owns {self.experts.owned}"
             )
+        shared = self.begin_shared(hidden)
         routing = self.route(hidden) if routing is None else routing
         if fused_experts_applies(hidden, self.hidden_act):
             routed = self.routed_fused(hidden, routing)  # [T, H] model dtype
         else:
             routed = self.routed_grouped(hidden, routing)  # [T, H] float32
-        return self.output(routed, self.shared(hidden), hidden.dtype)
+        return self.output(routed, shared(), hidden.dtype), routing
 
     def output(self, routed: torch.Tensor, shared: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
         """The layer's output from the routed experts' `[T, H]` (float32 or `dtype`)
@@ -104,10 +138,12 @@ class MoE(nn.Module):
         if self.split_output:
             parts = [routed.to(dtype)] if shared is None else [routed.to(dtype), shared]
             return torch.stack(parts, dim=1)  # [T, P, H]
-        out = routed.float()  # [T, H]; `routed` itself when already float32 (a temporary)
-        if shared is not None:
-            out += shared
-        return out.to(dtype)
+        if shared is None:
+            return routed.to(dtype)
+        if routed.dtype == dtype:
+            # torch adds float16/bfloat16 tensors in float32 and rounds once: one kernel
+            return routed + shared
+        return (routed.float() + shared).to(dtype)
 
     def routed_fused(self, hidden: torch.Tensor, routing: Routing) -> torch.Tensor:
         """Routed experts of hidden `[T, H]` (CUDA) with vLLM's `fused_experts`: `[T, H]`
@@ -139,3 +175,10 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             tensors.update({f"shared_experts.{n}": t for n, t in self.shared_experts.checkpoint_tensors().items()})
         return tensors
+
+
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side stream of `device` on which `MoE.begin_shared` runs (one per process
+    and device; MoE layers run one after another)."""
+    return torch.cuda.Stream(device)

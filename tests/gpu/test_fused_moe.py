@@ -2,7 +2,8 @@
 
 Oracle: the same layer's routed experts in float32 by a loop over experts, on the same
 bfloat16 random weights (`afd_ray.bench.moe_layer`): relative Frobenius error within
-2e-2, and the CUDA graph replay of the whole layer equal to the eager call bit for
+2e-2; the CUDA graph replay of the whole layer equal to the eager call, and the layer
+(shared experts on a side stream) equal to its parts run on one stream, bit for
 bit. Needs CUDA and vLLM (its Triton kernels); skips visibly otherwise.
 """
 
@@ -31,4 +32,16 @@ def test_fused_moe_layer_matches_float32(tmp_path) -> None:
     for name in moe_shapes():
         for tokens, record in results[name]["tokens"].items():
             assert record["graph_equals_eager"], (name, tokens, record)
+            assert record["overlap_equals_serial"], (name, tokens, record)
             assert record["fused_rel_err_vs_fp32"] <= 2e-2, (name, tokens, record)
+
+
+def test_bfloat16_sum_rounds_once_on_cuda() -> None:
+    """`MoE.output` adds the fused kernels' bfloat16 output and the shared experts' in
+    one bfloat16 add: CUDA computes it in float32 and rounds once, as the float32 sum
+    cast once does (`tests/ffn/test_moe_output.py` on CPU)."""
+    generator = torch.Generator("cuda").manual_seed(0)
+    for scale in (1.0, 1e-3, 1e4):
+        routed = (torch.randn(512, 2048, generator=generator, device="cuda") * scale).bfloat16()
+        shared = torch.randn(512, 2048, generator=generator, device="cuda").bfloat16()
+        assert torch.equal(routed + shared, (routed.float() + shared.float()).bfloat16())
