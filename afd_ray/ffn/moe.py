@@ -86,7 +86,7 @@ class MoE(nn.Module):
             shared = self.shared(hidden)
             return lambda: shared
         current = torch.cuda.current_stream(hidden.device)
-        side = _side_stream(hidden.device)
+        side = _side_stream(hidden.device, current.cuda_stream)
         side.wait_stream(current)
         with torch.cuda.stream(side):
             shared = self.shared_experts(hidden)
@@ -178,7 +178,8 @@ class MoE(nn.Module):
 
 
 @functools.cache
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The side stream of `device` on which `MoE.begin_shared` runs (one per process
-    and device; MoE layers run one after another)."""
+def _side_stream(device: torch.device, stream: int) -> torch.cuda.Stream:
+    """The side stream on which `MoE.begin_shared` runs for work queued on `stream`
+    (a CUDA stream handle) of `device`: one per stream, so that work on two streams
+    (e.g. two micro-batches) never waits for each other's shared experts."""
     return torch.cuda.Stream(device)
