@@ -40,20 +40,28 @@ _MOE_SHAPE, _MOE_TOKENS = "deepseek_v2_lite", "128"
 def equality(logs: list[Path]) -> dict[str, object]:
     """`equal_tokens`, `equal_tokens_by_mode` and `prompt_logprob_max_abs_diff` from the
     `SERVE_ONE_GPU` records of the GPU test's logs (a later record of the same family
-    and mode replaces an earlier one)."""
-    records: dict[tuple[str, str], dict[str, object]] = {}
+    and mode replaces an earlier one).
+
+    Modes are the test's: `eager`, `graphs` (piecewise), `full` (whole-step decode
+    graphs), with `-2A1F-dbo` appended for its 2A:1F case; records written before the
+    test named its mode count as `eager` or `graphs`. Each mode's entry names the `log`
+    it came from (its file name carries the run's date)."""
+    records: dict[tuple[str, str], tuple[dict[str, object], str]] = {}
     for log in logs:
         for line in log.read_text(errors="replace").splitlines():
             if line.startswith(_RECORD):
                 record = json.loads(line[len(_RECORD):])
-                records[(record["family"], "eager" if record["eager"] else "graphs")] = record
+                mode = record.get("mode") or ("eager" if record["eager"] else "graphs")
+                mode += "-2A1F-dbo" if record.get("dbo") else ""
+                records[(record["family"], mode)] = (record, log.name)
     by_mode: dict[str, dict[str, dict[str, object]]] = {}
-    for (family, mode), record in sorted(records.items()):
+    for (family, mode), (record, log) in sorted(records.items()):
         share = record["equal_positions"] / record["positions"]
         equal = record["all_equal"] if record["dtype"] == "float32" else share >= BF16_MIN_EQUAL
         by_mode.setdefault(family, {})[mode] = {
             "equal": equal, "equal_positions": record["equal_positions"], "positions": record["positions"],
             "prompt_logprob_max_abs_diff": record["prompt_logprob_max_abs_diff"], "dtype": record["dtype"],
+            "log": log,
         }  # fmt: skip
     return {
         "equal_tokens": {family: all(m["equal"] for m in modes.values()) for family, modes in by_mode.items()},

@@ -39,6 +39,17 @@ def test_summary_of_the_2026_12_01_run(tmp_path: Path) -> None:
         assert got["product"][batch]["1A1F"]["output_tok_s"] == sides["1A1F"]["output_tok_s"]
 
 
+def test_each_graph_mode_of_a_family_is_kept_apart_with_its_log() -> None:
+    """The 2026-12-02 piecewise records and the 2026-12-03 whole-step (`full`) records
+    of the same families are two modes each, not one replacing the other."""
+    logs = [RESULTS / "h200-2026-12-02-product.log", RESULTS / "h200-2026-12-03-full-graphs.log"]
+    got = summarize(logs, None, None, None)["equal_tokens_by_mode"]
+    assert set(got["llama"]) == {"graphs", "full"}
+    assert got["deepseek_v3"]["graphs"]["equal_positions"] == 82
+    assert got["deepseek_v3"]["full"]["equal_positions"] == 96
+    assert got["deepseek_v3"]["full"]["log"] == "h200-2026-12-03-full-graphs.log"
+
+
 def test_a_bench_without_both_sides_is_refused(tmp_path: Path) -> None:
     result = json.loads((RESULTS / f"{RUN}-product-dsv2.json").read_text())
     result["runs"] = [run for run in result["runs"] if run["label"] == "plain"]
