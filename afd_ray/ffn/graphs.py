@@ -92,7 +92,7 @@ def graphs_supported(model: FFNStack, dtype: torch.dtype) -> bool:
     device = next(model.parameters()).device
     if device.type != "cuda":
         return False
-    if not any(isinstance(block, MoE) for block in model.layers):
+    if not model.moe_blocks:
         return True
     return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] in (9, 10)
 
@@ -224,7 +224,7 @@ class FFNGraphs:
         self.buckets = _check_buckets(buckets)
         self._dtype = dtype
         self._device = next(model.parameters()).device
-        moe = [block for block in model.layers if isinstance(block, MoE)]
+        moe = model.moe_blocks
         self._top_k = moe[0].spec.top_k if moe else 0
         with torch.inference_mode():
             self._static = self._zeros(self.buckets[-1] if self.buckets else 0)

@@ -93,6 +93,11 @@ class FFNStack(nn.Module):
     def num_layers(self) -> int:
         return len(self.layers)
 
+    @property
+    def moe_blocks(self) -> list[MoE]:
+        """The MoE blocks of `layers`, in order (empty for a dense model)."""
+        return [block for block in self.layers if isinstance(block, MoE)]
+
     def forward(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
         """FFN block `layers[layer]` (decoder layer `layer_ids[layer]`): hidden `[T, H]`
         -> `[T, H]` (`[T, P, H]`: `MoE.output`), same dtype.
@@ -193,14 +198,14 @@ def load_ffn_stack(
         dummy_fill(stack)
         return stack.eval()
     targets = stack.checkpoint_tensors()
-    owned = {e for block in stack.layers if isinstance(block, MoE) for e in block.experts.owned}
+    owned = {e for block in stack.moe_blocks for e in block.experts.owned}
     unexpected = []
     with torch.no_grad():
         if reuse is not None:
             held = reuse.checkpoint_tensors()
             for key in [k for k, t in targets.items() if k in held and held[k].shape == t.shape]:
                 targets.pop(key).copy_(held[key])
-            owned -= {e for block in reuse.layers if isinstance(block, MoE) for e in block.experts.owned}
+            owned -= {e for block in reuse.moe_blocks for e in block.experts.owned}
         params = [] if not targets else ffn_layer_params(
             checkpoint, config.num_hidden_layers, owned, gate_on_attention, stack.moe_layers
         )

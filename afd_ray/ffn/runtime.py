@@ -32,7 +32,6 @@ from afd_ray.connector.link import FFNLink, PeerLostError
 from afd_ray.ffn.ep import EPGroup
 from afd_ray.ffn.graphs import DEFAULT_BUCKETS, FFNGraphs, StepInputs, graphs_supported
 from afd_ray.ffn.model import FFNStack
-from afd_ray.ffn.moe import MoE
 from afd_ray.observability.stats import FFNStats
 from afd_ray.observability.steps import FFNStep, PeerStep, StepRing
 from afd_ray.observability.timeline import StepTimeline
@@ -188,7 +187,7 @@ class FFNRuntime:
         self._timeline = StepTimeline.of(self._device)
         """Device-timeline stamps of timed steps: `FFNStats.split`."""
         self._stop = threading.Event()
-        moe = [block for block in model.layers if isinstance(block, MoE)]
+        moe = model.moe_blocks
         num_experts = moe[0].spec.num_experts if moe else 0
         self.expert_tokens = torch.zeros(num_experts, dtype=torch.int64, device=self._device)
         """Rows this rank's tokens routed to each expert `[E]` int64, summed over MoE

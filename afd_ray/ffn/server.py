@@ -43,7 +43,6 @@ from afd_ray.control.membership import EPAssignment, FFNMember, LayoutPlan, Loop
 from afd_ray.control.serve_api import app_deleting
 from afd_ray.ffn.ep import EPGroup
 from afd_ray.ffn.model import FFNStack, load_ffn_stack
-from afd_ray.ffn.moe import MoE
 from afd_ray.ffn.runtime import FFNRuntime, LayoutSwitch
 from afd_ray.models.embedded import resolve_checkpoint
 from afd_ray.observability.publish import FFNPublisher
@@ -122,7 +121,7 @@ class FFNServer:
         self._fenced = False
         """The coordinator removed this rank: it serves nothing and fails its health check."""
         ep_polls = (ffn.ep_idle_check_us / 1e6, ffn.ep_idle_max_check_us / 1e6)  # an MoE rank may join an EP group
-        poll_s, idle_poll_s = ep_polls if _is_moe(stack) else (_STOP_POLL_S, _STOP_POLL_S)
+        poll_s, idle_poll_s = ep_polls if stack.moe_blocks else (_STOP_POLL_S, _STOP_POLL_S)
         self._runtime = FFNRuntime(
             stack, channel, dtype, poll_s, connector.batch_window_us / 1e6, ep, epoch=assignment.epoch,
             idle_poll_s=idle_poll_s, ubatches=ffn.ubatches,
@@ -146,8 +145,7 @@ class FFNServer:
     async def _ep_group(self, stack: FFNStack, assignment: EPAssignment) -> EPGroup | None:
         """The EP group of `assignment`'s layout (None: one rank, or a dense model);
         returns once every FFN rank of that layout joined."""
-        moe = [block for block in stack.layers if isinstance(block, MoE)]
-        if assignment.ep_size == 1 or not moe:
+        if assignment.ep_size == 1 or not stack.moe_blocks:
             return None
         group = await asyncio.to_thread(_ep_process_group, assignment)
         return EPGroup(group, moe[0].spec.num_experts, self._load[2])
@@ -227,7 +225,7 @@ class FFNServer:
         self._layouts[plan.epoch] = assignment.ranks
         stack = runtime.model
         shard = (assignment.ep_rank, assignment.ep_size)
-        if _is_moe(stack) and shard != self._shard:
+        if stack.moe_blocks and shard != self._shard:
             stack = await asyncio.to_thread(self._load_stack, assignment, runtime.model)
             await self._coordinator.ffn_loaded.remote(self.rank, plan.epoch, stack.loaded_bytes)
         ep = await self._ep_group(stack, assignment)
@@ -276,10 +274,6 @@ class FFNServer:
             finally:
                 self._runtime.stop()
                 await asyncio.to_thread(self._loop.join, _STOP_POLL_S * 20)
-
-
-def _is_moe(stack: FFNStack) -> bool:
-    return any(isinstance(block, MoE) for block in stack.layers)
 
 
 def _log_failure(task: asyncio.Task) -> None:
