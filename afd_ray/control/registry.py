@@ -208,16 +208,18 @@ class Registry:
 
     def attention_leaving(self, rank: int) -> bool:
         """Attention rank `rank` is being removed: DRAINING. False: unknown, or it
-        already drains."""
+        already drains or is GONE (e.g. found dead before its replica stopped)."""
         member = self._reporting(rank, "leaving")
-        if member is None or member.state is MemberState.DRAINING:
+        if member is None or member.state in (MemberState.DRAINING, MemberState.GONE):
             return False
         self.set_attention(rank, MemberState.DRAINING)
         return True
 
     def attention_gone(self, rank: int) -> bool:
-        """Attention rank `rank` closed its pair channel and exits: GONE. False: unknown."""
-        if self._reporting(rank, "gone") is None:
+        """Attention rank `rank` closed its pair channel and exits: GONE. False:
+        unknown, or GONE already (a second report, or found dead first)."""
+        member = self._reporting(rank, "gone")
+        if member is None or member.state is MemberState.GONE:
             return False
         self.set_attention(rank, MemberState.GONE)
         return True

@@ -285,6 +285,20 @@ def test_attention_reports_of_an_unknown_rank_are_ignored_until_it_rejoins(caplo
     assert registry.attention_gone(3) and registry.attention[3].state is GONE
 
 
+def test_reports_of_a_gone_attention_rank_change_nothing() -> None:
+    """A rank already GONE (found dead, or its second report) may still report leaving
+    or gone from its replica's shutdown: both are no-ops (they raised ValueError,
+    GONE -> DRAINING / GONE -> GONE, and the error skipped the rest of the shutdown)."""
+    registry = Registry("gloo", 5.0, 1)
+    registry.add_ffn(FFNAddress("h0", 10, 11))
+    member = registry.add_attention("r0")
+    assert registry.attention_gone(member.rank)
+    epoch = registry.epoch
+    assert not registry.attention_leaving(member.rank)
+    assert not registry.attention_gone(member.rank)
+    assert (registry.attention[member.rank].state, registry.epoch) == (GONE, epoch)
+
+
 def test_attention_ready_marks_a_known_rank_peered_under_its_epoch() -> None:
     registry = Registry("gloo", 5.0, 1)
     registry.add_ffn(FFNAddress("h0", 10, 11))
