@@ -142,7 +142,6 @@ class AttentionServer:
         os.environ.update(engine_env(attention))
         os.environ[ASSIGNMENT_ENV] = assignment.model_dump_json()
         checkpoint = resolve_checkpoint(model)
-        lower_data_plane_priority()  # the EngineCore inherits it
         self._start(
             engine_args(model, attention, checkpoint, gate_placement), model.name, checkpoint, observability.metrics
         )
@@ -156,7 +155,11 @@ class AttentionServer:
         """Start the engine from `args` and vLLM's OpenAI serving layer on it; the
         engine's stats feed `self._recorder` (autoscaling signals) and, with
         `metrics`, vLLM's own Ray stat logger (its `vllm:*` metrics through
-        `ray.util.metrics`, as Ray Serve LLM exports them)."""
+        `ray.util.metrics`, as Ray Serve LLM exports them). The engine runs at the
+        data plane's priority (`lower_data_plane_priority`, inherited by the
+        EngineCore), here so that the benchmark's plain-vLLM engine runs at the same
+        priority as the AFD ones."""
+        lower_data_plane_priority()
         self._recorder = AttentionRecorder()
         loggers = [self._recorder.factory, RayPrometheusStatLogger] if metrics else [self._recorder.factory]
         self._engine = AsyncLLM.from_engine_args(
