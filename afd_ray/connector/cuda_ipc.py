@@ -35,18 +35,15 @@ behind runs that many one-rank rendezvous first (`_catch_up`), so that both side
 counters agree. It assumes nothing else in the process rendezvous symmetric memory
 (vLLM does only with TP > 1, which the attention engine does not use).
 
-Opening a pair never waits on the caller's stream: a process that already serves
-other pairs has device-side flag waits queued there, for peers that may step only
-later (2A:1F on an H200: the FFN rank's barrier with a second attention rank queued
-behind its waits for the first one, and timed out). So the allocation, the
-rendezvous and the barrier run on a stream of their own (`_setup_stream`), which is
-synchronized alone. torch 2.11 zeroes a new allocation's signal pad with `cudaMemset`
-on the legacy default stream and does not wait for it, and copies the peer pointers
-with a blocking `cudaMemcpy` there; both are ordered after every blocking stream's
-work, so a process's serving stream must be a non-blocking one (as `torch.cuda.Stream`
-makes; `afd_ray.ffn.runtime`), and the pad is zeroed (that stream synchronized)
-before the rendezvous shows it to the peer, whose barrier signal would otherwise be
-wiped by a late zeroing.
+Opening a pair never waits on the caller's streams: a process that already serves
+other pairs has device-side flag waits queued on its serving stream, for messages
+that may come only later, and torch (seen: 2.11) zeroes a new allocation's signal
+pad on the current stream and synchronizes that stream, and the barrier is queued
+on the current stream and waited for. So the allocation, the rendezvous and the barrier run on a stream of their own
+(`_setup_stream`), synchronized alone; the serving stream should be a non-blocking
+one (`afd_ray.ffn.runtime`), as the legacy default stream is ordered with every
+blocking stream. (2A:1F on an H200: the FFN rank opened its second pair in its loop
+thread, on the legacy default stream that held the first pair's step.)
 
 Failure: every flag wait and put is bounded by `timeout_ms` on the device; past it
 torch's kernel traps, which ends the CUDA context of that process (the replica then
@@ -137,7 +134,7 @@ class CudaIpcPair:
         numel = 2 * ubatches * slot_bytes
         allow_symm_mem_shared_device()
         with _setup_stream(device) as stream:
-            self._buffer = _zeroed_empty(numel, device)
+            self._buffer = symm_mem.empty(numel, dtype=torch.uint8, device=device)
             self._handle = _rendezvous_once(self._buffer, group)
             self._peer = 1 - self._handle.rank
             self._peer_buffer = self._handle.get_buffer(self._peer, (numel,), torch.uint8, 0)
@@ -207,7 +204,8 @@ _rendezvous = 0
 _catch_up_buffers: list[torch.Tensor] = []
 """The one-rank rendezvous' buffers, kept for the process's life (one allocation
 granule each, 2 MiB on an H200): torch synchronizes the whole device when it frees
-one, which would wait for the flag waits queued on the process's serving stream."""
+one (`cudaDeviceSynchronize` in its `AllocationRef`), which would wait for the flag
+waits queued on the process's serving stream."""
 
 
 @contextmanager
@@ -219,13 +217,6 @@ def _setup_stream(device: torch.device) -> Iterator[torch.cuda.Stream]:
         yield stream
 
 
-def _zeroed_empty(numel: int, device: torch.device) -> torch.Tensor:
-    """A symmetric-memory buffer of `numel` bytes whose signal pad is zeroed already:
-    torch may queue the zeroing on the legacy default stream without waiting for it
-    (module docstring), so that stream is synchronized before the rendezvous."""
-    buffer = symm_mem.empty(numel, dtype=torch.uint8, device=device)
-    torch.cuda.default_stream(device).synchronize()
-    return buffer
 
 
 def _rendezvous_once(buffer: torch.Tensor, group: dist.ProcessGroup) -> symm_mem._SymmetricMemory:
@@ -248,7 +239,7 @@ def _catch_up(side: Side, store: dist.Store, device: torch.device, timeout_s: fl
         group = registered_gloo_group(dist.HashStore(), 0, 1, timeout_s, name)
         try:
             with _setup_stream(device):
-                _catch_up_buffers.append(_zeroed_empty(16, device))
+                _catch_up_buffers.append(symm_mem.empty(16, dtype=torch.uint8, device=device))
                 _rendezvous_once(_catch_up_buffers[-1], group)
         finally:
             unregister_group(name)

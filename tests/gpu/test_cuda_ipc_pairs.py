@@ -8,9 +8,10 @@ exchanges one message (the FFN side answers `x + 1`), checked byte for byte.
 
 The second test opens the second pair while the first one's flag wait is queued on
 the FFN side's serving stream (a non-blocking stream, as `FFNRuntime` serves), for a
-message its peer sends only once the second pair is open: the order in which 2A:1F
-failed on an H200 (the second pair's barrier queued behind that wait and timed out).
-Skips visibly without CUDA.
+message its peer sends only once the second pair is open. An opening that waits for
+that stream (as it did: torch's allocation synchronizes the current stream, and the
+barrier was queued on it) fails after `SHORT_S` on every side (seen on an H200 without
+MPS); it must pass. Skips visibly without CUDA.
 """
 
 from __future__ import annotations
