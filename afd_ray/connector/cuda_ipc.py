@@ -35,6 +35,16 @@ behind runs that many one-rank rendezvous first (`_catch_up`), so that both side
 counters agree. It assumes nothing else in the process rendezvous symmetric memory
 (vLLM does only with TP > 1, which the attention engine does not use).
 
+Opening a pair never waits on the caller's streams: a process that already serves
+other pairs has device-side flag waits queued on its serving stream, for messages
+that may come only later, and torch (seen: 2.11) zeroes a new allocation's signal
+pad on the current stream and synchronizes that stream, and the barrier is queued
+on the current stream and waited for. So the allocation, the rendezvous and the barrier run on a stream of their own
+(`_setup_stream`), synchronized alone; the serving stream should be a non-blocking
+one (`afd_ray.ffn.runtime`), as the legacy default stream is ordered with every
+blocking stream. (2A:1F on an H200: the FFN rank opened its second pair in its loop
+thread, on the legacy default stream that held the first pair's step.)
+
 Failure: every flag wait and put is bounded by `timeout_ms` on the device; past it
 torch's kernel traps, which ends the CUDA context of that process (the replica then
 fails and Serve restarts it): a dead peer is never waited on forever, but is
@@ -48,7 +58,8 @@ without MPS, 7.1-7.6 us in a CUDA graph with MPS, T = 1..128, H = 2048 bf16).
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Literal
 
@@ -90,8 +101,12 @@ class CudaIpcPair:
         group: the pair's 2-rank registered gloo group (FFN rank 0, attention rank 1).
         ubatches: slots per direction, one per micro-batch in flight.
         device: this side's CUDA device.
-        timeout_ms: device-side bound on every flag wait and put.
+        timeout_ms: device-side bound on every flag wait and put, and on the barrier
+            that ends the opening (past it the barrier traps, module docstring).
         slot_bytes: bytes of one slot.
+
+    Opening waits for no work queued on the caller's streams (module docstring);
+    `send`/`recv` then queue on the caller's current stream.
 
     Raises:
         ValueError: `device` is not CUDA, or `ubatches` < 1.
@@ -118,12 +133,13 @@ class CudaIpcPair:
         self._group = group
         numel = 2 * ubatches * slot_bytes
         allow_symm_mem_shared_device()
-        self._buffer = symm_mem.empty(numel, dtype=torch.uint8, device=device)
-        self._handle = _rendezvous_once(self._buffer, group)
-        self._peer = 1 - self._handle.rank
-        self._peer_buffer = self._handle.get_buffer(self._peer, (numel,), torch.uint8, 0)
-        self._handle.barrier(_BARRIER_CHANNEL, timeout_ms)
-        torch.cuda.current_stream(device).synchronize()
+        with _setup_stream(device) as stream:
+            self._buffer = symm_mem.empty(numel, dtype=torch.uint8, device=device)
+            self._handle = _rendezvous_once(self._buffer, group)
+            self._peer = 1 - self._handle.rank
+            self._peer_buffer = self._handle.get_buffer(self._peer, (numel,), torch.uint8, 0)
+            self._handle.barrier(_BARRIER_CHANNEL, timeout_ms)
+            stream.synchronize()
 
     def _slot(self, buffer: torch.Tensor, direction: int, ubatch: int) -> torch.Tensor:
         if not 0 <= ubatch < self.ubatches:
@@ -185,6 +201,23 @@ class CudaIpcPair:
 _rendezvous = 0
 """Symmetric-memory rendezvous this process ran (`_catch_up`)."""
 
+_catch_up_buffers: list[torch.Tensor] = []
+"""The one-rank rendezvous' buffers, kept for the process's life (one allocation
+granule each, 2 MiB on an H200): torch synchronizes the whole device when it frees
+one (`cudaDeviceSynchronize` in its `AllocationRef`), which would wait for the flag
+waits queued on the process's serving stream."""
+
+
+@contextmanager
+def _setup_stream(device: torch.device) -> Iterator[torch.cuda.Stream]:
+    """A fresh non-blocking stream of `device`, current inside the block: pair setup
+    queues nothing behind the caller's work (module docstring)."""
+    stream = torch.cuda.Stream(device)
+    with torch.cuda.stream(stream):
+        yield stream
+
+
+
 
 def _rendezvous_once(buffer: torch.Tensor, group: dist.ProcessGroup) -> symm_mem._SymmetricMemory:
     global _rendezvous
@@ -205,7 +238,9 @@ def _catch_up(side: Side, store: dist.Store, device: torch.device, timeout_s: fl
         name = f"afd-ipc-catch-up-{uuid.uuid4().hex[:12]}"
         group = registered_gloo_group(dist.HashStore(), 0, 1, timeout_s, name)
         try:
-            _rendezvous_once(symm_mem.empty(16, dtype=torch.uint8, device=device), group)
+            with _setup_stream(device):
+                _catch_up_buffers.append(symm_mem.empty(16, dtype=torch.uint8, device=device))
+                _rendezvous_once(_catch_up_buffers[-1], group)
         finally:
             unregister_group(name)
 

@@ -94,6 +94,16 @@ class FFNRuntime:
     Every EP rank pads its rows to the same count, at least the largest local one
     (`EPGroup.moe`).
 
+    Stream (CUDA): the loop queues its receives, compute and sends on a non-blocking
+    stream of its own, never on the legacy default stream, which waits for (and is
+    waited on by) every blocking stream's work: a pair opened at a step boundary
+    (`afd_ray.connector.cuda_ipc`) must not queue behind the device-side flag waits of
+    the steps in flight, nor they behind its setup. Tensors made by other threads (the
+    weights, `expert_tokens`, a prepared layout) are made on the legacy default stream:
+    the loop's stream waits for it when the loop starts and at each layout switch, and
+    makes it wait for the old layout's last step before dropping that layout (so that
+    its freed memory is reused only after that step).
+
     Compute runs through `FFNGraphs`, built at the first step of each layout (with
     EP every rank of the group is in that step): on CUDA (`graphs.graphs_supported`)
     it captures every layer as a CUDA graph per bucket of padded rows, and steps
@@ -191,7 +201,10 @@ class FFNRuntime:
         num_experts = moe[0].spec.num_experts if moe else 0
         self.expert_tokens = torch.zeros(num_experts, dtype=torch.int64, device=self._device)
         """Rows this rank's tokens routed to each expert `[E]` int64, summed over MoE
-        layers and steps (expert load; updated in place, on the model's device)."""
+        layers and steps (expert load; updated in place, on the model's device; on CUDA
+        a read from another thread does not wait for the steps in flight)."""
+        self._stream = torch.cuda.Stream(self._device) if self._device.type == "cuda" else None
+        """The loop's non-blocking CUDA stream (None on CPU)."""
         self._graph_buckets = tuple(graph_buckets)
         self._compute: FFNGraphs | None = None
         self._deferred: StepHeader | None = None
@@ -209,12 +222,21 @@ class FFNRuntime:
         """Serve headers until `stop()`; then close the channel and the EP groups (the
         serving one and a prepared one), so that the other EP ranks' collectives fail
         at once instead of waiting out their timeout for a rank that is gone (same
-        thread).
+        thread). On CUDA everything is queued on the loop's own stream.
 
         Raises:
             RuntimeError: the EP group failed and no new layout was handed over within
                 `ep_lost_wait_s` (the coordinator then finds this rank's loop stopped).
         """
+        if self._stream is None:
+            self._serve()
+            return
+        self._stream.wait_stream(torch.cuda.default_stream(self._device))  # tensors made by other threads
+        with torch.cuda.stream(self._stream):
+            self._serve()
+
+    def _serve(self) -> None:
+        """The loop of `run()`, on the current stream."""
         try:
             while not self._stop.is_set():
                 if self._ep_lost_at is not None and not self._await_layout():
@@ -365,6 +387,9 @@ class FFNRuntime:
         """Serve the layout of `switch` from the next step on; the old EP group is
         destroyed here, its tensors are freed with the old model."""
         old = self.ep
+        if self._stream is not None:  # the old layout's memory is reused after its last step; the new one is made
+            torch.cuda.default_stream(self._device).wait_stream(self._stream)
+            self._stream.wait_stream(torch.cuda.default_stream(self._device))
         self.model, self.ep, self.epoch, self.left = switch.model, switch.ep, switch.epoch, switch.leave
         self.channel.epoch = switch.epoch
         self._pending = None
