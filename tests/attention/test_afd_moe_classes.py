@@ -55,7 +55,7 @@ class _Block(nn.Module):
 
 class TransformersFFN(nn.Module):
     """The FFN stack `FFNRuntime` drives (`layers[i]`, `num_layers`, `hidden_size`,
-    `forward(layer, hidden)`), made of transformers' own per-layer blocks."""
+    `moe_blocks`, `forward(layer, hidden)`), made of transformers' own per-layer blocks."""
 
     gate_on_attention = False  # the FFN routes (gate_on_ffn)
 
@@ -68,6 +68,11 @@ class TransformersFFN(nn.Module):
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    @property
+    def moe_blocks(self) -> list[nn.Module]:
+        """None of afd_ray's `MoE` blocks (transformers' own): the runtime counts no expert load."""
+        return []
 
     def forward(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
         """FFN of decoder layer `layer`: hidden `[T, H]` -> `[T, H]`."""
