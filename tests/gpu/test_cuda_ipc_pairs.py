@@ -21,11 +21,15 @@ import socket
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+if TYPE_CHECKING:
+    from afd_ray.connector.cuda_ipc import CudaIpcPair
 
 pytestmark = [
     pytest.mark.gpu,
@@ -60,15 +64,21 @@ def _side(rank: int, port: int, errors: mp.Queue) -> None:
             if rank == 2:  # the second pair opens once the first one served
                 store.wait(["served/1"], timedelta(seconds=TIMEOUT_S))
             pair = open_cuda_ipc_pair("attention", dist.PrefixStore(f"pair/{rank}", store), rank, 1, TIMEOUT_S)
-            sent = torch.randn(64, 2048, device="cuda").to(torch.bfloat16) * rank
-            out = torch.empty_like(sent)
-            pair.exchange([sent], [out], 0)
-            torch.cuda.synchronize()
-            if not torch.equal(out, sent + 1):
-                errors.put(f"attention rank {rank}: wrong bytes back")
-            store.set(f"checked/{rank}", "1")
+            _exchange_and_check(pair, rank, store, errors)
     except Exception as exc:  # noqa: BLE001 - reported to the test
         errors.put(f"rank {rank}: {type(exc).__name__}: {exc}")
+
+
+def _exchange_and_check(pair: CudaIpcPair, rank: int, store: dist.Store, errors: mp.Queue) -> None:
+    """Attention rank `rank`: one exchange of random rows scaled by `rank`; the FFN side
+    answers `x + 1`, checked byte for byte; then `checked/<rank>` in `store`."""
+    sent = torch.randn(64, 2048, device="cuda").to(torch.bfloat16) * rank
+    out = torch.empty_like(sent)
+    pair.exchange([sent], [out], 0)
+    torch.cuda.synchronize()
+    if not torch.equal(out, sent + 1):
+        errors.put(f"attention rank {rank}: wrong bytes back")
+    store.set(f"checked/{rank}", "1")
 
 
 def _opens_while_waiting(rank: int, port: int, errors: mp.Queue) -> None:
@@ -81,10 +91,9 @@ def _opens_while_waiting(rank: int, port: int, errors: mp.Queue) -> None:
     try:
         torch.cuda.set_device(0)
         store = dist.TCPStore("127.0.0.1", port, 3, rank == 0, timedelta(seconds=SHORT_S))
-        rows = torch.empty(64, 2048, dtype=torch.bfloat16, device="cuda")
         if rank == 0:
             first = open_cuda_ipc_pair("ffn", dist.PrefixStore("pair/1", store), 1, 1, SHORT_S)
-            got = [torch.empty_like(rows), torch.empty_like(rows)]
+            got = [torch.empty(64, 2048, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
             serving = torch.cuda.Stream()
             with torch.cuda.stream(serving):
                 first.recv([got[0]], 0)
@@ -102,12 +111,7 @@ def _opens_while_waiting(rank: int, port: int, errors: mp.Queue) -> None:
             pair = open_cuda_ipc_pair("attention", dist.PrefixStore(f"pair/{rank}", store), rank, 1, SHORT_S)
             if rank == 1:
                 store.wait(["opened/2"], timedelta(seconds=SHORT_S))
-            sent = torch.randn(64, 2048, device="cuda").to(torch.bfloat16) * rank
-            pair.exchange([sent], [rows], 0)
-            torch.cuda.synchronize()
-            if not torch.equal(rows, sent + 1):
-                errors.put(f"attention rank {rank}: wrong bytes back")
-            store.set(f"checked/{rank}", "1")
+            _exchange_and_check(pair, rank, store, errors)
     except Exception as exc:  # noqa: BLE001 - reported to the test
         errors.put(f"rank {rank}: {type(exc).__name__}: {exc}")
 
