@@ -148,7 +148,7 @@ class FFNServer:
         if assignment.ep_size == 1 or not stack.moe_blocks:
             return None
         group = await asyncio.to_thread(_ep_process_group, assignment)
-        return EPGroup(group, moe[0].spec.num_experts, self._load[2])
+        return EPGroup(group, stack.moe_blocks[0].spec.num_experts, self._load[2])
 
     async def _report(self) -> None:
         """Every `_REPORT_PERIOD_S`: report counters and what the loop does (the
