@@ -181,5 +181,10 @@ class MoE(nn.Module):
 def _side_stream(device: torch.device, stream: int) -> torch.cuda.Stream:
     """The side stream on which `MoE.begin_shared` runs for work queued on `stream`
     (a CUDA stream handle) of `device`: one per stream, so that work on two streams
-    (e.g. two micro-batches) never waits for each other's shared experts."""
-    return torch.cuda.Stream(device)
+    (e.g. two micro-batches) never waits for each other's shared experts. torch hands
+    out its pooled streams round-robin (32 per device), so a new one may be `stream`
+    itself, which would run the shared experts in line: another is drawn then."""
+    side = torch.cuda.Stream(device)
+    while side.cuda_stream == stream:
+        side = torch.cuda.Stream(device)
+    return side
