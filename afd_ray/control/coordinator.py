@@ -55,6 +55,7 @@ from afd_ray.control.registry import Registry
 from afd_ray.control.resize import ATTENTION_DEPLOYMENT, FFN_DEPLOYMENT, Resizer
 from afd_ray.observability.publish import CoordinatorPublisher
 from afd_ray.observability.signals import AttentionReport, SignalAggregator
+from afd_ray.observability.stall import LoopWatch
 from afd_ray.observability.stats import FFNStats
 from afd_ray.observability.steps import AttentionStep, FFNStep, StepLog, TokenBreakdown
 from afd_ray.platform import collective_backend
@@ -96,6 +97,7 @@ class Coordinator:
         observability: ObservabilityConfig = ObservabilityConfig(),
     ) -> None:
         app = serve.get_replica_context().app_name
+        LoopWatch(asyncio.get_running_loop(), "coordinator")  # a blocked loop stalls every member: log where
         self._registry = Registry(
             collective_backend(platform), connector.timeout_s, ffn.num_ranks, connector.transport
         )

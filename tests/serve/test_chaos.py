@@ -147,6 +147,22 @@ def _status(http: httpx.Client) -> dict | None:
     return status if isinstance(status, dict) and "epoch" in status else None
 
 
+STATUS_WITHIN_S = 30
+"""Bound on reading `/afd/status` where a test needs it: a 503 (the coordinator did not
+answer within the ingress's bound) is read again until then."""
+
+
+def _read_status(http: httpx.Client) -> dict:
+    """`/afd/status`, read again while it answers 503, within `STATUS_WITHIN_S`; the
+    failure names each deployment's replica pids (to tell which process stalled)."""
+    deadline = time.monotonic() + STATUS_WITHIN_S
+    while (status := _status(http)) is None:
+        pids = {d: _pids(d) for d in ("coordinator", "ingress", "attention", "ffn")}
+        assert time.monotonic() < deadline, f"/afd/status unreadable for {STATUS_WITHIN_S} s; replica pids {pids}"
+        time.sleep(0.5)
+    return status
+
+
 def _whole(http: httpx.Client) -> bool:
     status = _status(http)
     if status is None:
@@ -169,11 +185,11 @@ def _stop_past_heartbeat(chaos: httpx.Client, pid: int) -> None:
     its next report tells it that it was removed, it stops serving and fails its
     health check. Before fencing it kept its replica, its loop and its attention pair
     under its old epoch, and no replacement started."""
-    recoveries = len(chaos.get("/afd/status").json()["recoveries"])
+    recoveries = len(_read_status(chaos)["recoveries"])
     os.kill(pid, signal.SIGSTOP)
     try:
         deadline = time.monotonic() + HEARTBEAT_S + 30
-        while len(chaos.get("/afd/status").json()["recoveries"]) == recoveries:
+        while len(_read_status(chaos)["recoveries"]) == recoveries:
             assert time.monotonic() < deadline, "the stopped FFN rank was not found dead"
             time.sleep(0.5)
     finally:
@@ -191,7 +207,7 @@ def _kill_ffn(
     """`fault` FFN process `pid` (SIGKILL it) while 4 greedy streams run; check that
     each equals the unfailed run, that the layout becomes whole again and that the
     lost rank is then no longer listed; returns the figures."""
-    recoveries = len(chaos.get("/afd/status").json()["recoveries"])
+    recoveries = len(_read_status(chaos)["recoveries"])
     results = [_Result() for _ in PROMPTS]
     threads = [threading.Thread(target=_stream, args=(chaos, i, r)) for i, r in enumerate(results)]
     for thread in threads:
@@ -218,7 +234,7 @@ def _kill_ffn(
     after = _Result()
     _stream(chaos, 0, after)
     assert after.error is None and after.tokens == reference[0], after
-    status = chaos.get("/afd/status").json()
+    status = _read_status(chaos)
     assert len(status["recoveries"]) == recoveries + 1, status["recoveries"]
     event = status["recoveries"][-1]
     assert event["error"] is None and event["whole_s"] is not None, event
@@ -302,7 +318,7 @@ def test_ffn_sigstop_past_the_heartbeat_is_fenced_and_replaced(
 def _scale_to_2a2f(chaos: httpx.Client) -> None:
     """Resize to 2A:2F (EP2 over the two FFN ranks) unless there already, and wait
     (bounded) until the layout is whole."""
-    status = chaos.get("/afd/status").json()
+    status = _read_status(chaos)
     if (status["target_attention"], status["target_ffn"]) != (2, 2):
         response = chaos.post("/afd/scale", json={"attention": 2, "ffn": 2}, timeout=600)
         assert response.status_code == 200 and response.json()["error"] is None, response.text
@@ -320,7 +336,7 @@ def test_ep2_ffn_sigkill_the_survivor_reforms_the_ep_group(chaos: httpx.Client, 
     re-peers both attention ranks; each repeats its current layer there. Meanwhile
     `/afd/status` says the survivor's loop is `ep_lost`, then `serving` again."""
     _scale_to_2a2f(chaos)
-    before = chaos.get("/afd/status").json()
+    before = _read_status(chaos)
     survivors = {m["rank"]: m["ep_rank"] for m in before["ffn"] if m["state"] == "ready"}
     assert len(survivors) == 2 and sorted(survivors.values()) == [0, 1], before["ffn"]
     loops: dict[int, set[str | None]] = {rank: set() for rank in survivors}
@@ -340,7 +356,7 @@ def test_ep2_ffn_sigkill_the_survivor_reforms_the_ep_group(chaos: httpx.Client, 
         done.set()
         sampler.join()
     (lost,) = row["lost"]
-    after = chaos.get("/afd/status").json()
+    after = _read_status(chaos)
     ranks = {m["rank"]: m["ep_rank"] for m in after["ffn"] if m["state"] == "ready" and m["ep_rank"] is not None}
     survivor = next(r for r in survivors if r != lost)
     assert len(ranks) == 2 and ranks[survivor] == survivors[survivor], (survivors, ranks)  # kept its experts
@@ -362,7 +378,7 @@ def test_ep2_coordinator_sigkill_mid_recovery_reforms_the_layout(
     alone could not re-form its rejoined layout (the dead EP rank never rejoins), so
     the layout stayed empty and nothing recovered it."""
     _scale_to_2a2f(chaos)
-    before = chaos.get("/afd/status").json()
+    before = _read_status(chaos)
     known = {m["rank"] for m in before["ffn"]}
     results = [_Result() for _ in PROMPTS]
     threads = [threading.Thread(target=_stream, args=(chaos, i, r)) for i, r in enumerate(results)]
@@ -389,7 +405,7 @@ def test_ep2_coordinator_sigkill_mid_recovery_reforms_the_layout(
         assert time.monotonic() - killed < WHOLE_WITHIN_S, _status(chaos)
         time.sleep(0.5)
     whole_s = time.monotonic() - killed
-    after = chaos.get("/afd/status").json()
+    after = _read_status(chaos)
     (lost,) = event["lost"]
     ranks = {m["rank"]: m["ep_rank"] for m in after["ffn"] if m["state"] == "ready"}
     (replacement,) = set(ranks) - known
@@ -415,8 +431,8 @@ def test_attention_sigkill_streams_resume_on_another_rank(chaos: httpx.Client, r
     the killed rank's FFN peer drops it mid-step and keeps serving its EP group (no
     FFN recovery); Serve replaces the killed rank and the layout is whole again."""
     _scale_to_2a2f(chaos)
-    recoveries = len(chaos.get("/afd/status").json()["recoveries"])
-    resumed_before = chaos.get("/afd/status").json()["admission"]["resumed"]
+    recoveries = len(_read_status(chaos)["recoveries"])
+    resumed_before = _read_status(chaos)["admission"]["resumed"]
     results = [_Result() for _ in range(ATTENTION_STREAMS)]
     threads = [threading.Thread(target=_stream, args=(chaos, i % len(PROMPTS), r)) for i, r in enumerate(results)]
     for thread in threads:
@@ -430,7 +446,7 @@ def test_attention_sigkill_streams_resume_on_another_rank(chaos: httpx.Client, r
     for i, result in enumerate(results):
         assert result.error is None and result.tokens == reference[i % len(PROMPTS)], (i, result)
     gaps = [b - a for r in results for a, b in zip(r.times, r.times[1:])]
-    status = chaos.get("/afd/status").json()
+    status = _read_status(chaos)
     resumed = status["admission"]["resumed"] - resumed_before
     deadline = time.monotonic() + WHOLE_WITHIN_S  # Serve's replacement rank READY (no replica left starting)
     while not _whole(chaos):
