@@ -25,6 +25,7 @@ __all__ = [
     "actor_resources",
     "collective_backend",
     "lower_data_plane_priority",
+    "pooled_stream_other_than",
     "platform_spec",
     "resource_key",
     "torch_device",
@@ -119,3 +120,15 @@ def lower_data_plane_priority() -> None:
     full, so a refusal under overload does not queue behind model steps. Raising the
     niceness needs no privilege; it cannot be undone without one."""
     os.nice(DATA_PLANE_NICE)
+
+
+def pooled_stream_other_than(device: torch.device, stream: int) -> torch.cuda.Stream:
+    """A CUDA stream of `device` from torch's pool that is not `stream` (a CUDA stream
+    handle, e.g. `torch.cuda.current_stream().cuda_stream`). torch hands its pooled
+    streams out round-robin (32 per device and priority), so a new
+    `torch.cuda.Stream()` may be one the caller already queues work on, and what it
+    meant to run beside that work would run behind it; another is drawn then."""
+    other = torch.cuda.Stream(device)
+    while other.cuda_stream == stream:
+        other = torch.cuda.Stream(device)
+    return other

@@ -69,6 +69,7 @@ import torch.distributed._symmetric_memory as symm_mem
 
 from afd_ray.compat import allow_symm_mem_shared_device
 from afd_ray.connector.process_group import registered_gloo_group, unregister_group
+from afd_ray.platform import pooled_stream_other_than
 
 __all__ = ["SLOT_BYTES", "CudaIpcPair", "open_cuda_ipc_pair"]
 
@@ -210,13 +211,13 @@ waits queued on the process's serving stream."""
 
 @contextmanager
 def _setup_stream(device: torch.device) -> Iterator[torch.cuda.Stream]:
-    """A fresh non-blocking stream of `device`, current inside the block: pair setup
-    queues nothing behind the caller's work (module docstring)."""
-    stream = torch.cuda.Stream(device)
+    """A non-blocking stream of `device` other than the caller's current one (the FFN
+    loop's serving stream when it admits a peer), current inside the block: pair
+    setup queues nothing behind the caller's work (module docstring). Other pooled
+    streams the process queues on may still be drawn (torch's pool is round-robin)."""
+    stream = pooled_stream_other_than(device, torch.cuda.current_stream(device).cuda_stream)
     with torch.cuda.stream(stream):
         yield stream
-
-
 
 
 def _rendezvous_once(buffer: torch.Tensor, group: dist.ProcessGroup) -> symm_mem._SymmetricMemory:

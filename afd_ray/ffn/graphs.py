@@ -31,6 +31,7 @@ from afd_ray.ffn.ep import EPGroup
 from afd_ray.ffn.model import FFNStack
 from afd_ray.ffn.moe import MoE
 from afd_ray.ffn.routing import Routing
+from afd_ray.platform import pooled_stream_other_than
 
 __all__ = [
     "DEFAULT_BUCKETS",
@@ -151,8 +152,9 @@ class BucketGraphs(Generic[Out]):
         if not torch.cuda.is_available():
             raise ValueError("CUDA graph buckets need a CUDA device; pass no buckets to run eagerly")
         pool = torch.cuda.graph_pool_handle() if pool is None else pool
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
+        current = torch.cuda.current_stream()
+        stream = pooled_stream_other_than(current.device, current.cuda_stream)  # capture beside, not on, the caller's
+        stream.wait_stream(current)
         for rows in reversed(self.buckets):
             with torch.cuda.stream(stream):
                 for _ in range(warmup):
@@ -161,7 +163,7 @@ class BucketGraphs(Generic[Out]):
             with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
                 self._outputs[rows] = fn(rows)
             self._graphs[rows] = graph
-        torch.cuda.current_stream().wait_stream(stream)
+        current.wait_stream(stream)
 
     def __call__(self, rows: int) -> Out:
         """`fn(rows)`: the graph of bucket `rows` replayed on the current stream, or

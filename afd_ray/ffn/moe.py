@@ -13,6 +13,7 @@ from afd_ray.ffn.family import MoEShape
 from afd_ray.ffn.fused import fused_experts_applies, fused_moe
 from afd_ray.ffn.mlp import GatedMLP
 from afd_ray.ffn.routing import Router, Routing
+from afd_ray.platform import pooled_stream_other_than
 
 __all__ = ["MoE"]
 
@@ -183,8 +184,5 @@ def _side_stream(device: torch.device, stream: int) -> torch.cuda.Stream:
     (a CUDA stream handle) of `device`: one per stream, so that work on two streams
     (e.g. two micro-batches) never waits for each other's shared experts. torch hands
     out its pooled streams round-robin (32 per device), so a new one may be `stream`
-    itself, which would run the shared experts in line: another is drawn then."""
-    side = torch.cuda.Stream(device)
-    while side.cuda_stream == stream:
-        side = torch.cuda.Stream(device)
-    return side
+    itself, which would run the shared experts in line (`pooled_stream_other_than`)."""
+    return pooled_stream_other_than(device, stream)
