@@ -174,8 +174,8 @@ class FFNMember(_Record):
     replica: str = ""
     """Serve replica id of the `FFNServer` that holds this rank."""
     state: MemberState = MemberState.STARTING
-    epoch: int = -1
-    """Layout epoch this rank serves now (-1 before it joined one)."""
+    epoch: int | None = None
+    """Layout epoch this rank serves now (None: it has not reported serving one yet)."""
     ep_rank: int | None = None
     """Its EP rank in the serving layout as that layout was formed: the shard of
     experts it holds (None: in no serving layout, e.g. a rank joining it, or GONE).
@@ -195,6 +195,10 @@ class FFNMember(_Record):
     """Rows this rank's tokens routed to each expert, summed over MoE layers and steps;
     divided by `steps` x MoE layers it is tokens per expert per step (expert load)."""
 
+    def reached(self, epoch: int) -> bool:
+        """It serves the layout of `epoch` or a newer one (False before it served any)."""
+        return self.epoch is not None and self.epoch >= epoch
+
 
 class AttentionMember(_Record):
     """One attention rank as `/afd/status` shows it."""
@@ -208,8 +212,14 @@ class AttentionMember(_Record):
     """Serve replica id of the `AttentionServer` that holds this rank."""
     node: str = ""
     """Ray node id of its replica (picks the pair's transport with `auto`)."""
-    peered_epoch: int = -1
-    """Epoch of the pairing the rank reported open (`epoch` once it moved)."""
+    peered_epoch: int | None = None
+    """Epoch of the pairing the rank reported open (`epoch` once it moved; None: it
+    has reported no pairing open yet)."""
+
+    @property
+    def peered(self) -> bool:
+        """It reported the pairing of its current `epoch` (or a newer one) open."""
+        return self.peered_epoch is not None and self.peered_epoch >= self.epoch
 
 
 class ResizeEvent(_Record):

@@ -332,7 +332,7 @@ class Recovery:
             registry.plan = plan
             logger.info("FFN recovery: layout of epoch %d from ranks %s", plan.epoch, ranks)
             await registry.notify()
-            dead = await self._until(lambda: all(registry.ffn[r].epoch >= plan.epoch for r in ranks), deadline)
+            dead = await self._until(lambda: all(registry.ffn[r].reached(plan.epoch) for r in ranks), deadline)
             if dead:
                 self._remove(dead)
                 registry.plan = None

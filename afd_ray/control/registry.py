@@ -131,12 +131,15 @@ class Registry:
         coordinator before its restart, so it is GONE here (fenced at its next
         report), whether it rejoins before or after that layout is complete."""
         self.ffn[member.rank] = member
-        self.epoch = max(self.epoch, member.epoch, preparing)
+        self.epoch = max(self.epoch, preparing)
+        if member.epoch is not None:
+            self.epoch = max(self.epoch, member.epoch)
         self._formed = True
         self._next_ffn = max(self._next_ffn, member.rank + 1, *(r + 1 for r in layout))
-        if member.ep_rank is not None:
+        if member.ep_rank is not None and member.epoch is not None:
             self._told[member.epoch] = layout
-        serving = [m for m in self.ffn.values() if m.ep_rank is not None and m.state is not MemberState.GONE]
+        serving = [m for m in self.ffn.values()
+                   if m.ep_rank is not None and m.epoch is not None and m.state is not MemberState.GONE]  # fmt: skip
         newest = max((m.epoch for m in serving), default=0)
         told = self._told.get(newest, ())
         joined = tuple(r for r in told if any(m.rank == r and m.epoch == newest for m in serving))

@@ -207,7 +207,7 @@ class Resizer:
         registry.plan = plan
         await registry.notify()
         involved = set(ranks) | set(registry.layout)
-        await registry.wait(lambda: all(registry.ffn[r].epoch >= plan.epoch for r in involved), self._timeout_s)
+        await registry.wait(lambda: all(registry.ffn[r].reached(plan.epoch) for r in involved), self._timeout_s)
         registry.switch_layout(plan)
         await registry.notify()
 
@@ -221,8 +221,7 @@ class Resizer:
             moved.append(rank)
         await registry.notify()
         await registry.wait(
-            lambda: all(registry.attention[r].peered_epoch >= registry.attention[r].epoch
-                        or registry.attention[r].state is MemberState.GONE for r in moved),
+            lambda: all(registry.attention[r].peered or registry.attention[r].state is MemberState.GONE for r in moved),
             self._timeout_s,
         )  # fmt: skip
 

@@ -103,7 +103,15 @@ class FFNServer:
             node=ray.get_runtime_context().get_node_id(),
         )
         self._coordinator = coordinator
-        self._load = (resolve_checkpoint(model), dtype, device, gate_placement == "gate_on_attention")
+        self._checkpoint = resolve_checkpoint(model)
+        """Local Hugging Face folder this rank loads its shards from."""
+        self._dtype = dtype
+        """Model dtype of the loaded FFN tensors (`ModelConfig.dtype`; `load_ffn_stack`)."""
+        self._device = device
+        """Device of this rank's FFN tensors and EP buffers."""
+        self._gate_on_attention = gate_placement == "gate_on_attention"
+        """The gates and dense MLPs run on the attention side: the stack holds only the
+        MoE layers, without their gate (`FFNStack`)."""
         self._random_weights = model.load_format == "dummy"
         self._attention_compiled = attention_compiled
         self._replica = serve.get_replica_context().replica_id.unique_id
@@ -135,10 +143,9 @@ class FFNServer:
 
     def _load_stack(self, assignment: EPAssignment, reuse: FFNStack | None = None) -> FFNStack:
         """This rank's shard for `assignment`; tensors `reuse` holds are copied from it."""
-        checkpoint, dtype, device, gate_on_attention = self._load
         return load_ffn_stack(
-            checkpoint, dtype, device, assignment.ep_rank, assignment.ep_size,
-            gate_on_attention=gate_on_attention, reuse=reuse, random_weights=self._random_weights,
+            self._checkpoint, self._dtype, self._device, assignment.ep_rank, assignment.ep_size,
+            gate_on_attention=self._gate_on_attention, reuse=reuse, random_weights=self._random_weights,
             attention_compiled=self._attention_compiled,
         )
 
@@ -148,7 +155,7 @@ class FFNServer:
         if assignment.ep_size == 1 or not stack.moe_blocks:
             return None
         group = await asyncio.to_thread(_ep_process_group, assignment)
-        return EPGroup(group, stack.moe_blocks[0].spec.num_experts, self._load[2])
+        return EPGroup(group, stack.moe_blocks[0].spec.num_experts, self._device)
 
     async def _report(self) -> None:
         """Every `_REPORT_PERIOD_S`: report counters and what the loop does (the

@@ -148,12 +148,15 @@ def test_registry_directive_and_layout_switch() -> None:
     assert registry.add_ffn(FFNAddress("h0", 10, 11)) == 0
     assert registry.layout == (0,)
     registry.add_ffn(FFNAddress("h1", 20, 21))
+    assert registry.ffn[1].epoch is None and not registry.ffn[1].reached(0)  # no report yet
     member = registry.add_attention("r0")
+    assert member.peered_epoch is None and not member.peered
     registry.set_attention(member.rank, READY, peered_epoch=0)
+    assert registry.attention[member.rank].peered
     assert registry.ffn_directive(0, 0).plan is None
     plan = Plan(registry.next_epoch(), (0, 1), None)
     registry.plan = plan
-    directive = registry.ffn_directive(1, -1)
+    directive = registry.ffn_directive(1, 0)  # rank 1 reports an epoch older than the plan's
     assert directive.plan is not None and directive.plan.epoch == 1
     assignment = directive.plan.assignment
     assert (assignment.ep_rank, assignment.ep_size, assignment.host, assignment.store_port) == (1, 2, "h0", 10)
@@ -163,6 +166,7 @@ def test_registry_directive_and_layout_switch() -> None:
     assert [registry.ffn[r].state for r in (0, 1)] == [READY, READY]
     registry.repeer(member.rank, 1)
     assert registry.attention_assignment(member.rank).store_port == 20 and registry.epoch == 2
+    assert not registry.attention[member.rank].peered  # until it reports the pairing of epoch 2 open
     registry.vanished.add(member.rank)
     assert registry.ffn_directive(1, 1).dead_peers == [member.rank]
 

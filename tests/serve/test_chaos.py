@@ -171,7 +171,8 @@ def _whole(http: httpx.Client) -> bool:
               if m["state"] == "ready" and m["ep_rank"] is not None and m["loop"] == "serving"}  # fmt: skip
     attention = [m for m in status["attention"] if m["state"] != "gone"]
     return (len(layout) == status["target_ffn"] and len(attention) == status["target_attention"]
-            and all(m["state"] == "ready" and m["ffn_peer"] in layout and m["peered_epoch"] >= m["epoch"]
+            and all(m["state"] == "ready" and m["ffn_peer"] in layout
+                    and m["peered_epoch"] is not None and m["peered_epoch"] >= m["epoch"]
                     for m in attention))  # fmt: skip
 
 
