@@ -467,6 +467,7 @@ class Ingress:
         self._retry_after_s = ingress.retry_after_s
         self._body_timeout_s = ingress.body_timeout_s
         self._admission = Admission(ingress, attention_pool.max_num_seqs)
+        self._max_num_seqs = attention_pool.max_num_seqs
         self._scale_s = autoscale.resize_timeout_s + _CALL_S
         self._coordinator_answered = time.monotonic()
         """When the coordinator last answered a load read (monotonic seconds)."""
@@ -529,7 +530,20 @@ class Ingress:
     ) -> Response:  # fmt: skip
         """Admission's second step (the deadline, now that `max_tokens` is known), then
         `call(request)` on the attention pool (moved to another rank if that rank dies,
-        for a resumable stream), for a request that holds a place (`_reserve`)."""
+        for a resumable stream), for a request that holds a place (`_reserve`).
+
+        Raises:
+            RequestValidationError: `n` exceeds `attention.max_num_seqs` (400 naming
+                `n`): admission counts a request once, so its sequences must fit in one
+                attention engine's batch.
+        """
+        sequences = getattr(request, "n", None) or 1
+        if sequences > self._max_num_seqs:
+            raise RequestValidationError([{
+                "type": "less_than_equal", "loc": ("body", "n"), "input": sequences,
+                "msg": f"{sequences} sequences exceed attention.max_num_seqs {self._max_num_seqs}, the sequences "
+                "one attention engine runs at once (admission counts a request once)",
+            }])  # fmt: skip
         admitted, admission = _pass_of(raw), self._admission
         refusal = admission.admit(admitted.budget_s, max_tokens)
         if refusal is not None:

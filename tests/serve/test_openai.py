@@ -135,6 +135,8 @@ def _too_long_prompt() -> str:
         ),
         ("/v1/chat/completions", json.dumps(_chat(n=-1)), 400, "n"),
         ("/v1/completions", json.dumps(_completion(n=0)), 400, "n"),
+        ("/v1/completions", json.dumps(_completion(n=1000, temperature=1.0)), 400, "n"),  # admitted as 1
+        ("/v1/chat/completions", json.dumps(_chat(n=17, temperature=1.0, stream=True)), 400, "n"),  # > 16 seqs
         ("/v1/chat/completions", json.dumps(_chat(messages=[])), 400, "messages"),
         ("/v1/completions", json.dumps(_completion(prompt=[1, OUT_OF_VOCABULARY])), 400, "prompt"),
         ("/v1/completions", json.dumps(_completion(prompt=[[1], [OUT_OF_VOCABULARY]], stream=True)), 400, "prompt"),
@@ -153,6 +155,8 @@ def _too_long_prompt() -> str:
         "prompt-over-context-completion-stream",
         "n-negative-chat",
         "n-zero-completion",
+        "n-over-max-num-seqs-completion",
+        "n-over-max-num-seqs-chat-stream",
         "messages-empty",
         "prompt-token-out-of-vocabulary",
         "prompt-token-out-of-vocabulary-batch-stream",
