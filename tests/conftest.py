@@ -63,7 +63,7 @@ def ray_cluster(request: pytest.FixtureRequest) -> Iterator[None]:
     Ray binds its own services to the node's IP (it rewrites a loopback
     `_node_ip_address` to that IP); the Serve HTTP ingress the tests start (HAProxy
     and the ingress replicas' servers) listens on 127.0.0.1 only, HAProxy's stats
-    page and exporter on every interface (README "Quick start").
+    page and exporter on every interface (docs/ingress.md).
 
     `RAY_AUTH_MODE=disabled`: Ray 2.60 turns on token auth for every new local
     cluster, writing a token to `~/.ray/auth_token` that each driver and `serve`

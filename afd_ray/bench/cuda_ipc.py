@@ -14,7 +14,7 @@ serving path pairs them (`open_cuda_ipc_pair`).
    what it received), L layers per step, each side's step as one CUDA graph; us per
    layer = median step time on the attention side (CUDA events) / L.
 
-Run it under NVIDIA MPS for microsecond figures (the README and `deployments/afd-cuda.yaml`
+Run it under NVIDIA MPS for microsecond figures (docs/cuda.md and `deployments/afd-cuda.yaml`
 say why); the JSON records whether `CUDA_MPS_PIPE_DIRECTORY` was set.
 """
 

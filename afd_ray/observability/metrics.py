@@ -5,7 +5,7 @@ Ray exports an application metric `NAME` to Prometheus as `ray_NAME` (a counter 
 `ray_NAME_total`, a histogram as `ray_NAME_bucket`, `_sum`, `_count`), with Ray's own
 labels (`SessionName`, `NodeAddress`, `WorkerId`, ...) beside the ones listed here.
 `Metric.series` gives those exported names; `afd_ray.observability.dashboards` builds
-its panel queries from them, and README lists the table of `METRICS`.
+its panel queries from them, and docs/observability.md lists the table of `METRICS`.
 
 vLLM's own engine metrics (`vllm:*`, exported as `ray_vllm_*`) come from vLLM's
 `RayPrometheusStatLogger`, not from here.

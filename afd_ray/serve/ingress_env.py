@@ -1,6 +1,6 @@
 """Ray's environment for how afd_ray serves HTTP: HAProxy passing each request straight
 to the ingress replica's own HTTP server (Serve's direct ingress), not Serve's Python
-proxy and its Ray call to the replica (README "Overload, access and failures": under a
+proxy and its Ray call to the replica (docs/failures.md: under a
 burst, refusals come in well under 100 ms this way).
 
 Ray 2.60 reads these variables in the Serve controller, proxy and replica processes

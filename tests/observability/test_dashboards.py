@@ -15,7 +15,7 @@ from afd_ray.observability.dashboards import DASHBOARD_UID, dashboard, panel_que
 from afd_ray.observability.metrics import METRICS, Kind
 
 COMMITTED = Path(__file__).parents[2] / "dashboards" / "afd.json"
-README = Path(__file__).parents[2] / "README.md"
+METRICS_PAGE = Path(__file__).parents[2] / "docs" / "observability.md"
 
 
 def test_committed_dashboard_is_the_generated_one(tmp_path: Path) -> None:
@@ -27,13 +27,13 @@ def test_every_metric_is_defined_once_documented_and_charted() -> None:
     names = [metric.name for metric in METRICS]
     assert len(names) == len(set(names)) and all(name.startswith("afd_") for name in names)
     queries = " ".join(expr for _, expr in panel_queries())
-    readme = README.read_text()
+    page = METRICS_PAGE.read_text()
     for metric in METRICS:
         assert metric.description and metric.unit, metric.name
         assert (metric.kind is Kind.HISTOGRAM) == bool(metric.buckets), metric.name
         assert list(metric.buckets) == sorted(metric.buckets), metric.name
         assert re.search(rf"\b{metric.series}(_bucket|_sum|_count)?\b", queries), metric.name
-        assert f"`{metric.name}`" in readme, metric.name
+        assert f"`{metric.name}`" in page, metric.name
 
 
 def test_push_hands_the_dashboard_to_grafana_client(monkeypatch: pytest.MonkeyPatch, capsys) -> None:

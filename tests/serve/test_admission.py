@@ -91,7 +91,7 @@ the slowest are printed, not asserted: in two full-suite runs on 2026-12-03 the 
 102 and 110 ms with medians of 56 and 80 ms, on a day when this machine ran every
 benchmark 30-40% slower; a timed tail on 2 shared cores decides nothing about the
 ingress). HAProxy passes each request straight to the ingress
-replica's own HTTP server (README "Overload, access and failures"). On the quiet 2-core
+replica's own HTTP server (docs/failures.md). On the quiet 2-core
 machine, 10 bursts: 21-39 ms median and 28-46 ms p90 per burst, and this test 26 / 35
 ms over its 3 bursts; one earlier run of it (one burst) had 81 / 119 ms, where the
 ingress replica itself took 46-63 ms per refusal (its access log) against 4-29 ms in a

@@ -315,8 +315,8 @@ def test_model_compute_runs_below_the_control_planes_priority(client: httpx.Clie
     """`lower_data_plane_priority`: each attention replica's EngineCore, and the FFN
     replica's compute loop thread, run `DATA_PLANE_NICE` below the replica process's
     own priority, which the ingress replica keeps on every thread; so on full cores
-    the ingress, HAProxy and the coordinator run before the next model step (README
-    "Overload, access and failures")."""
+    the ingress, HAProxy and the coordinator run before the next model step
+    (docs/failures.md)."""
     for replica in _replica_pids("afd", "attention"):
         base, engine = psutil.Process(replica).nice(), _engine_of(replica)
         assert engine.nice() == min(19, base + DATA_PLANE_NICE), (base, engine.nice())
