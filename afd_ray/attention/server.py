@@ -21,8 +21,9 @@ import asyncio
 import json
 import logging
 import os
+import re
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Collection
 from pathlib import Path
 
 import ray
@@ -288,7 +289,8 @@ class AttentionServer:
         if self._engine.errored:
             yield _engine_failed(self.rank)
             return
-        async for item in self._until_drained(_relay(self._chat.create_chat_completion(request))):
+        answer = self._chat.create_chat_completion(request)
+        async for item in self._until_drained(_relay(answer, type(request).model_fields)):
             yield item
 
     async def completions(
@@ -304,7 +306,8 @@ class AttentionServer:
         except VLLMValidationError as exc:
             yield _error(exc)
             return
-        async for item in self._until_drained(_relay(self._completion.create_completion(request))):
+        answer = self._completion.create_completion(request)
+        async for item in self._until_drained(_relay(answer, type(request).model_fields)):
             yield item
 
     async def _until_drained(self, items: AsyncGenerator[object, None]) -> AsyncGenerator[object, None]:
@@ -396,19 +399,35 @@ class AttentionServer:
             self._engine.shutdown()
 
 
-async def _relay(answer: Awaitable[object]) -> AsyncGenerator[object, None]:
+async def _relay(answer: Awaitable[object], fields: Collection[str]) -> AsyncGenerator[object, None]:
     """The items of one vLLM serving call: its SSE events when it streams, else the
-    one response or error body; an exception becomes an error body."""
+    one response or error body; an exception becomes an error body. An error body
+    names the request field (one of `fields`) its message begins with
+    (`_naming_the_field`)."""
     try:
         result = await answer
     except Exception as exc:  # noqa: BLE001 - every failure becomes an error body
-        yield _error(exc)
+        yield _naming_the_field(_error(exc), fields)
         return
     if isinstance(result, AsyncIterator):
         async for event in result:
             yield event
+    elif isinstance(result, ErrorResponse):
+        yield _naming_the_field(result, fields)
     else:
         yield result
+
+
+def _naming_the_field(response: ErrorResponse, fields: Collection[str]) -> ErrorResponse:
+    """`response` with `error.param` set to the request field its message begins with,
+    when it is a 4xx that names none: vLLM's sampling checks say e.g. `top_k must be 0
+    (disable), or at least 1, got -5.` or `n must be 1 when using greedy sampling` and
+    leave `param` empty. `fields`: the request model's field names."""
+    error = response.error
+    first = re.match(r"[A-Za-z_]\w*", error.message.lstrip())
+    if error.param is not None or error.code >= 500 or first is None or first.group() not in fields:
+        return response
+    return response.model_copy(update={"error": error.model_copy(update={"param": first.group()})})
 
 
 def _prompt_token_ids(prompt: object) -> list[list[int]]:

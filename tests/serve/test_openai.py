@@ -138,6 +138,9 @@ def _too_long_prompt() -> str:
         ("/v1/completions", json.dumps(_completion(n=1000, temperature=1.0)), 400, "n"),  # admitted as 1
         ("/v1/chat/completions", json.dumps(_chat(n=17, temperature=1.0, stream=True)), 400, "n"),  # > 16 seqs
         ("/v1/chat/completions", json.dumps(_chat(messages=[])), 400, "messages"),
+        ("/v1/chat/completions", json.dumps(_chat(top_k=-5)), 400, "top_k"),  # vLLM's check named no param
+        ("/v1/completions", json.dumps(_completion(frequency_penalty=5)), 400, "frequency_penalty"),
+        ("/v1/completions", json.dumps(_completion(n=2)), 400, "n"),  # greedy (temperature 0) needs n = 1
         ("/v1/completions", json.dumps(_completion(prompt=[1, OUT_OF_VOCABULARY])), 400, "prompt"),
         ("/v1/completions", json.dumps(_completion(prompt=[[1], [OUT_OF_VOCABULARY]], stream=True)), 400, "prompt"),
         ("/v1/completions", json.dumps(_completion(stop=["a", "b", "c", "d", "e"])), 400, "stop"),
@@ -158,6 +161,9 @@ def _too_long_prompt() -> str:
         "n-over-max-num-seqs-completion",
         "n-over-max-num-seqs-chat-stream",
         "messages-empty",
+        "top-k-negative-chat",
+        "frequency-penalty-over-2-completion",
+        "n-over-1-greedy-completion",
         "prompt-token-out-of-vocabulary",
         "prompt-token-out-of-vocabulary-batch-stream",
         "stop-over-the-limit",
