@@ -52,6 +52,10 @@ HEARTBEAT_S = 15
 """`ffn.heartbeat_timeout_s` of the app: how long the SIGSTOP test stops an FFN rank
 (the 30 s default guards a loading SmolLM2 rank on a loaded machine; this app's ranks
 load a tiny model)."""
+STOPPED_PAST_S = 10
+"""How long the SIGSTOP test keeps the FFN rank stopped past `HEARTBEAT_S`: the
+coordinator checks every 0.5 s (`WATCH_PERIOD_S`); the rest is margin for a loaded
+machine."""
 REPLACED_WITHIN_S = 60
 """Bound on Serve replacing a fenced FFN replica after SIGCONT: its next report (0.2 s)
 fences it, and 3 failed health checks (every 2 s) make Serve replace it."""
@@ -181,20 +185,28 @@ def _sigkill(chaos: httpx.Client, pid: int) -> None:
 
 
 def _stop_past_heartbeat(chaos: httpx.Client, pid: int) -> None:
-    """SIGSTOP FFN process `pid` until the coordinator has found it dead (no report for
-    `ffn.heartbeat_timeout_s`), then SIGCONT it, and wait until Serve no longer runs it:
-    its next report tells it that it was removed, it stops serving and fails its
-    health check. Before fencing it kept its replica, its loop and its attention pair
-    under its old epoch, and no replacement started."""
+    """SIGSTOP FFN process `pid` for `ffn.heartbeat_timeout_s` + `STOPPED_PAST_S`, then
+    SIGCONT it; the coordinator must have found it dead meanwhile (a recovery event,
+    read once it is resumed), and Serve must stop running it: its next report tells
+    it that it was removed, it stops serving and fails its health check. Before
+    fencing it kept its replica, its loop and its attention pair under its old epoch,
+    and no replacement started.
+
+    `/afd/status` is not read while the rank is stopped: in 2 of 4 full-suite runs
+    (CI and here, 2026-12-03) the ingress's calls to the coordinator went unanswered
+    from the SIGSTOP on, for 30 s and more, while the coordinator's own event loop ran
+    (it logged the rank dead on time, and `LoopWatch` saw no stall); the cause, in
+    Ray Serve's call path, is not found yet."""
     recoveries = len(_read_status(chaos)["recoveries"])
     os.kill(pid, signal.SIGSTOP)
     try:
-        deadline = time.monotonic() + HEARTBEAT_S + 30
-        while len(_read_status(chaos)["recoveries"]) == recoveries:
-            assert time.monotonic() < deadline, "the stopped FFN rank was not found dead"
-            time.sleep(0.5)
+        time.sleep(HEARTBEAT_S + STOPPED_PAST_S)
     finally:
         os.kill(pid, signal.SIGCONT)
+    deadline = time.monotonic() + STATUS_WITHIN_S
+    while len(_read_status(chaos)["recoveries"]) == recoveries:
+        assert time.monotonic() < deadline, "the stopped FFN rank was not found dead"
+        time.sleep(0.5)
     resumed = time.monotonic()
     while pid in _pids("ffn"):
         assert time.monotonic() - resumed < REPLACED_WITHIN_S, _status(chaos)
