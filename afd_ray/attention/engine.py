@@ -33,7 +33,8 @@ def engine_args(
 
     Args:
         model: which model, its dtype and context length (`max_model_len` tokens).
-        attention: batch size, KV-cache budget (GiB), eager and CUDA-graph mode of the rank.
+        attention: batch size, KV-cache budget (GiB), tokens per streamed chunk, eager
+            and CUDA-graph mode of the rank.
         gate_placement: where MoE routing runs; reaches the AFD model class as the
             config attribute `afd_gate_on_attention`.
         checkpoint: a local Hugging Face folder (config.json, safetensors,
@@ -58,6 +59,7 @@ def engine_args(
         dtype=model.dtype,
         max_model_len=model.max_model_len,
         max_num_seqs=attention.max_num_seqs,
+        stream_interval=attention.stream_interval,
         enforce_eager=attention.enforce_eager,
         load_format=model.load_format,
         attention_backend=attention_backend(checkpoint, model.dtype),

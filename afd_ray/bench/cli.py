@@ -65,6 +65,7 @@ _FLAG_TYPES: dict[str, dict[str, object]] = {
     "plain_gpu_memory_utilization": {"type": float},
     "enforce_eager": {"action": argparse.BooleanOptionalAction},
     "kv_cache_gib": {"type": float},
+    "stream_interval": {"type": int},
     "max_model_len": {"type": int},
     "transport": {"choices": ("auto", "shm", "gloo", "cuda_ipc")},
     "transport_microbench": {"action": argparse.BooleanOptionalAction},

@@ -195,6 +195,11 @@ class BenchConfig(BaseModel):
     kv_cache_gib: float = Field(0.25, gt=0)
     """KV-cache space of each engine, GiB."""
 
+    stream_interval: int = Field(1, ge=1)
+    """`AttentionPoolConfig.stream_interval` of every engine, plain and AFD: output
+    tokens per streamed chunk. TPOT stays exact (first to last token over the tokens
+    between); ITL is then the gap between chunks of this many tokens."""
+
     max_model_len: int = Field(512, ge=16)
     """Context length of each engine, tokens (prompt + output)."""
 

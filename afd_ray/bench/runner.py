@@ -115,6 +115,7 @@ def _app_config(cfg: BenchConfig, family: str, checkpoint: Path, topology: Topol
             bundle_resources=bundle,
             kv_cache_gib=cfg.kv_cache_gib,
             max_num_seqs=batch,
+            stream_interval=cfg.stream_interval,
             num_threads=threads,
             **(
                 {"gpu_memory_utilization": memory, "enforce_eager": cfg.enforce_eager,

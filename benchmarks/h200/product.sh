@@ -31,6 +31,10 @@
 # (`afd_ray.attention.engine.afd_compilation_config`; default full_decode, whose decode
 # steps are FULL graphs too; `-piecewise` layouts: piecewise);
 # EAGER=1 runs both eager.
+# STREAM_INTERVAL (default 16) is both sides' `attention.stream_interval`, output tokens
+# per streamed chunk: with one token per chunk both sides' tok/s stayed at about
+# 1600-2300 from batch 16 to 256 (runs of 2026-12-01..03), the rate at which the Serve
+# hops relay chunks, not the model's; STREAM_INTERVAL=1 measures that regime.
 # Time limits per part: EQUAL_S, DSV2_S, QWEN3_S, FANIN_S seconds (defaults 200, 500, 420, 540);
 # BATCHES (default "16 64 256"), MAX_TOKENS (default 256) and REQUESTS (requests per
 # stream, default 2) size a run. A measured round of 16 x 128 tokens lasted 1.2 s on the
@@ -62,7 +66,7 @@ bench() {  # bench NAME SECONDS SHAPE PROMPT_TOKENS KV_GIB ATTENTION_MEMORY PLAI
   local name=$1 limit=$2 shape=$3 prompt=$4 kv=$5 memory=$6 plain=$7; shift 7
   run "$name" "$limit" python3 -m afd_ray.bench --platform cuda --dtype bfloat16 --families "$shape" $eager \
     --topologies ${TOPOLOGIES:-plain 1A1F} --concurrency ${BATCHES:-16 64 256} --prompt-tokens "$prompt" \
-    --max-tokens ${MAX_TOKENS:-256} "$@" \
+    --max-tokens ${MAX_TOKENS:-256} --stream-interval ${STREAM_INTERVAL:-16} "$@" \
     --requests-per-stream ${REQUESTS:-2} --max-model-len $((prompt + 256)) --kv-cache-gib "$kv" \
     --gpu-memory-utilization "$memory" --plain-gpu-memory-utilization "$plain" --checkpoints /tmp/afd-shapes \
     --request-timeout-s 400 --out "$out/$name.json"

@@ -2,7 +2,8 @@
 
 One short request per topology, plain vLLM and 1A:1F, through the session's Serve
 proxy. Checks that the result JSON is complete and its figures are positive;
-performance itself is proven in benchmarks, never asserted here.
+performance itself is proven in benchmarks, never asserted here. The run streams
+3 tokens per chunk (`--stream-interval 3`): both engines must honour it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ def test_smoke_run_writes_a_complete_result(
     serve_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "result.json"
-    argv = ["--smoke", "--serve-url", serve_url, "--out", str(out), "--checkpoints", str(tmp_path / "tiny")]
+    argv = ["--smoke", "--serve-url", serve_url, "--out", str(out), "--checkpoints", str(tmp_path / "tiny"),
+            "--stream-interval", "3"]
     assert main(argv) == 0
 
     result = BenchResult.model_validate_json(out.read_text())
@@ -30,6 +32,9 @@ def test_smoke_run_writes_a_complete_result(
         assert run.prompt_tokens > 0
         assert min(run.wall_s, run.output_tokens_per_s, run.deploy_s) > 0
         assert min(run.ttft.mean_ms, run.tpot.mean_ms, run.itl.p50_ms, run.e2e.p99_ms) > 0
+        # 4 tokens, 3 per chunk: the first token's chunk, then one with the other 3
+        # (the last token ends the stream); one token per chunk would give 3 gaps
+        assert run.itl.count == 1
     plain, afd = result.runs
     assert plain.ffn == [] and plain.measured_bytes_per_step is None
     (rank,) = afd.ffn
