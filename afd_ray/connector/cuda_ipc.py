@@ -45,6 +45,13 @@ one (`afd_ray.ffn.runtime`), as the legacy default stream is ordered with every
 blocking stream. (2A:1F on an H200: the FFN rank opened its second pair in its loop
 thread, on the legacy default stream that held the first pair's step.)
 
+Opening checks the mapping before any device-side signal (`_check_mapping`): each
+side marks its own buffer and signal pad, and after a host barrier reads the peer's
+marks through its mappings. A wrong mapping is then a `RuntimeError` on both sides
+at once, naming what was read, instead of a barrier that traps after `timeout_ms`.
+(2A:1F on an H200: the FFN rank's barrier with its second attention rank never got
+that rank's signal, while the attention side got the FFN's.)
+
 Failure: every flag wait and put is bounded by `timeout_ms` on the device; past it
 torch's kernel traps, which ends the CUDA context of that process (the replica then
 fails and Serve restarts it): a dead peer is never waited on forever, but is
@@ -57,6 +64,7 @@ without MPS, 7.1-7.6 us in a CUDA graph with MPS, T = 1..128, H = 2048 bf16).
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -139,8 +147,50 @@ class CudaIpcPair:
             self._handle = _rendezvous_once(self._buffer, group)
             self._peer = 1 - self._handle.rank
             self._peer_buffer = self._handle.get_buffer(self._peer, (numel,), torch.uint8, 0)
+            self._check_mapping(stream)
             self._handle.barrier(_BARRIER_CHANNEL, timeout_ms)
             stream.synchronize()
+
+    def _check_mapping(self, stream: torch.cuda.Stream) -> None:
+        """Check, before the first device-side signal, that this side's mappings of the
+        peer's buffer and signal pad show the peer's own memory (module docstring).
+
+        Each side writes a mark into its own memory: `[pid, rank + 1]` (int64) at the
+        start of the slot it receives on, and its pid (mod 2**31) in the pad entry
+        where the peer would signal it on the last channel (which no message uses).
+        After a host barrier (a gloo all-gather of the pids over the pair's group),
+        each side reads the peer's marks through its mappings; a second all-gather
+        shares the verdicts. Only reads cross the mappings, so a wrong mapping touches
+        nothing of another pair.
+
+        Raises:
+            RuntimeError: either side read something else than the peer's marks (says
+                what this side read and expected).
+        """
+        rank, peer, pid = self._handle.rank, self._peer, os.getpid()
+        own_pad = self._handle.get_signal_pad(rank).view(torch.int32)
+        entry = own_pad.numel() - 2 + peer  # world size 2: last channel, from the peer
+        self._slot(self._buffer, 1 - self._send_direction, 0)[:16].view(torch.int64).copy_(
+            torch.tensor([pid, rank + 1], dtype=torch.int64)
+        )
+        own_pad[entry : entry + 1].fill_(pid % 2**31)
+        stream.synchronize()
+        pids = _allgather(self._group, pid)
+        expected = [pids[peer], peer + 1]
+        got = self._slot(self._peer_buffer, self._send_direction, 0)[:16].view(torch.int64).tolist()
+        peer_pad = self._handle.get_signal_pad(peer).view(torch.int32)
+        signal = int(peer_pad[peer_pad.numel() - 2 + rank].item())
+        ok = got == expected and signal == pids[peer] % 2**31
+        verdicts = _allgather(self._group, int(ok))
+        if all(verdicts):
+            return
+        if ok:
+            raise RuntimeError(f"cuda_ipc pair: the peer (pid {pids[peer]}) does not see this side's memory")
+        raise RuntimeError(
+            f"cuda_ipc pair ({self.side} side, pid {pid}): the mapping of the peer's (pid {pids[peer]}) buffer reads "
+            f"{got}, expected {expected}; of its signal pad {signal}, expected {pids[peer] % 2**31}: the "
+            "rendezvous mapped other memory than the peer's"
+        )
 
     def _slot(self, buffer: torch.Tensor, direction: int, ubatch: int) -> torch.Tensor:
         if not 0 <= ubatch < self.ubatches:
@@ -197,6 +247,13 @@ class CudaIpcPair:
     def close(self) -> None:
         """Forget the pair's group name; the buffers go with this object."""
         unregister_group(self._group.group_name)
+
+
+def _allgather(group: dist.ProcessGroup, value: int) -> list[int]:
+    """`value` of every rank of `group` (gloo, host tensors), by rank; a host barrier."""
+    outs = [torch.empty(1, dtype=torch.int64) for _ in range(group.size())]
+    group.allgather([outs], [torch.tensor([value], dtype=torch.int64)]).wait()
+    return [int(out.item()) for out in outs]
 
 
 _rendezvous = 0
