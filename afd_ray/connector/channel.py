@@ -22,7 +22,10 @@ Protocol rules (why it cannot deadlock with one FFN peer per attention rank):
    data plane; the FFN opens its side when it reads the JOIN, at a step boundary.
    Headers from one peer are read in order.
 2. An attention rank sends STEP(T) before the tensors of a step and waits for the F2A of
-   the last layer before its next header, so at most one step per peer is in flight.
+   the last layer before the tensors of its next step, so at most one step per peer is
+   in flight on the data plane. On CUDA that wait is on the device, so the host may
+   send the next STEP header before the FFN has run the current step: the FFN serves
+   a peer's headers in order, one per FFN step (`afd_ray.ffn.runtime.FFNRuntime`).
    Per FFN layer it sends `[T, H]`, then (with `gate_on_attention`) top-k ids and
    weights `[T, k]`, then receives `[T, H]`.
 3. The FFN posts data-plane receives only for peers whose STEP it has read, so every

@@ -69,11 +69,15 @@ class FFNRuntime:
     window; it joins the next step. JOIN/LEAVE read while forming a step are applied
     after it, at the step boundary. The STEP headers of one step share their
     `first_layer`; a header with another one (a step resumed on this rank after
-    its peer lost its FFN rank) starts the next step instead. With EP every rank
-    must run the same layers: the group agrees on one `first_layer` per step
-    (`EPGroup.agree`), and a rank whose step starts elsewhere runs that one without
-    rows and its own at the next agreement. No peer ever has two steps in flight
-    (rule 2 of `afd_ray.connector.channel`), so a formed step cannot wait on itself.
+    its peer lost its FFN rank) starts the next step instead, and so does a second
+    STEP header of a peer already in the step: on CUDA an attention rank's host runs
+    ahead of its device and may announce its next step before this one ran. With EP
+    every rank must run the same layers: the group agrees on one `first_layer` per
+    step (`EPGroup.agree`), and a rank whose step starts elsewhere runs that one
+    without rows and its own at the next agreement. No peer ever has two steps in one
+    FFN step, and its device work (CUDA) or its host (CPU) waits for one step's last
+    F2A before that step's rows of the next (rule 2 of `afd_ray.connector.channel`),
+    so a formed step cannot wait on itself.
 
     Failures (DESIGN §12): an attention peer lost inside a step gets nothing more;
     the step runs to its end for the others (its rows zeroed; with EP the other
@@ -406,7 +410,9 @@ class FFNRuntime:
         self, first: StepHeader
     ) -> tuple[list[StepHeader], list[StepHeader], dict[int, float]]:
         """The STEP headers of this step (peer order), the JOIN/LEAVE read meanwhile,
-        and when each peer's header was read (`time.perf_counter()`)."""
+        and when each peer's header was read (`time.perf_counter()`). A STEP header
+        that cannot join this step (another `first_layer`, or a peer's next step) is
+        kept for the next one, and this one closes."""
         steps = {first.peer: first}
         arrived = {first.peer: time.perf_counter()}
         membership: list[StepHeader] = []
@@ -416,7 +422,7 @@ class FFNRuntime:
             header = self.channel.recv_header(max(left, 0.0))
             if header is None:
                 break
-            if header.kind is HeaderKind.STEP and header.first_layer != first.first_layer:
+            if header.kind is HeaderKind.STEP and (header.first_layer != first.first_layer or header.peer in steps):
                 self._deferred = header
                 break
             if header.kind is HeaderKind.STEP:

@@ -220,6 +220,34 @@ def test_with_two_ubatches_a_peer_is_served_while_the_other_is_late(stack: FFNSt
 
 
 @pytest.mark.window(30.0)
+def test_a_peer_announcing_its_next_step_early_gets_both_served(runtime: FFNRuntime) -> None:
+    """On CUDA an attention rank's host runs ahead of its device: it may send the STEP
+    header of its next step while the FFN still waits in the batching window for the
+    other peers. Peer 0 announces steps of 3 and 5 rows before sending any rows; peer 1
+    announces its step 0.5 s later. Both of peer 0's steps must be served, each with
+    its own rows. (The second header used to replace the first inside the window: the
+    FFN served the first step's rows under the second's header and never ran the
+    second step; 2A:1F on an H200: an attention rank waited 120 s for its F2A.)"""
+    ahead, other = _open(runtime, 0), _open(runtime, 2)
+    errors: list[str] = []
+    late = threading.Thread(target=lambda: (time.sleep(0.5), _attention_peer(runtime, other, [4], errors)))
+    ahead.send_header(3)
+    ahead.send_header(5)
+    late.start()
+    with torch.inference_mode():
+        for tokens in (3, 5):
+            hidden = torch.randn(tokens, runtime.model.hidden_size)
+            for layer in range(runtime.model.num_layers):
+                torch.testing.assert_close(ahead.exchange(hidden * (layer + 1)), runtime.model(layer, hidden * (layer + 1)))
+    late.join(60)
+    assert errors == []
+    _wait_for_steps(runtime, 2)
+    steps = [[(p.rank, p.num_tokens) for p in record.peers] for record in runtime.steps.records()]
+    assert steps == [[(0, 3)], [(0, 5), (2, 4)]]
+    ahead.close()
+
+
+@pytest.mark.window(30.0)
 def test_each_step_leaves_a_timing_record_per_peer(runtime: FFNRuntime) -> None:
     """One step over two peers: one record naming both peers' step headers (the join
     key of the per-token breakdown); the peer that announced first waited longer."""
