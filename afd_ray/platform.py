@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING, Literal, TypedDict
 
 import torch
 
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DATA_PLANE_NICE",
     "ActorResources",
+    "Backend",
     "PlatformSpec",
     "actor_resources",
     "collective_backend",
@@ -33,13 +34,17 @@ __all__ = [
 ]
 
 
+Backend = Literal["gloo", "nccl", "hccl"]
+"""A torch process-group backend of the connector and EP groups (CPU, CUDA, Ascend)."""
+
+
 @dataclass(frozen=True)
 class PlatformSpec:
     """How one platform is named by torch, torch.distributed and Ray."""
 
     device_type: str
     """torch device type: `cpu`, `cuda` or `npu`."""
-    backend: str
+    backend: Backend
     """torch process-group backend: `gloo`, `nccl` or `hccl`."""
     resource_key: str
     """Ray resource key of one device: `CPU`, `GPU` or `NPU`."""
@@ -90,7 +95,7 @@ def actor_resources(platform: Platform, amount: float) -> ActorResources:
     return {"num_cpus": 0, "resources": {key: amount}}
 
 
-def collective_backend(platform: Platform) -> str:
+def collective_backend(platform: Platform) -> Backend:
     """The torch process-group backend of the connector and EP groups: gloo, nccl or hccl."""
     return _PLATFORMS[platform].backend
 

@@ -75,6 +75,7 @@ from afd_ray.connector.link import PeerLostError, Pending, Transport, check_tran
 from afd_ray.connector.process_group import new_process_group
 from afd_ray.connector.cuda_ipc import CudaIpcPair, open_cuda_ipc_pair
 from afd_ray.connector.shm import ShmPair, open_shm_pair
+from afd_ray.platform import Backend
 
 __all__ = ["AttentionChannel", "FFNAddress", "FFNChannel"]
 
@@ -131,7 +132,7 @@ class _Works:
 class _GroupPair:
     """A pair's data plane over process groups (gloo/nccl/hccl), one per ubatch."""
 
-    def __init__(self, side: Side, groups: list[dist.ProcessGroup], peer: int, backend: str) -> None:
+    def __init__(self, side: Side, groups: list[dist.ProcessGroup], peer: int, backend: Backend) -> None:
         self._groups, self._peer, self._backend = groups, peer, backend
         self._other = 0 if side == "attention" else 1
         self._send_tags, self._recv_tags = (_A2F_TAGS, _F2A_TAGS) if side == "attention" else (_F2A_TAGS, _A2F_TAGS)
@@ -357,7 +358,7 @@ class FFNChannel:
     """
 
     def __init__(
-        self, host: str, backend: str, timeout_s: float, epoch: int = 0, ubatch_groups: int = 1,
+        self, host: str, backend: Backend, timeout_s: float, epoch: int = 0, ubatch_groups: int = 1,
         node: str = "",
     ) -> None:
         if ubatch_groups < 1:

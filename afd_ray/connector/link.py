@@ -76,6 +76,7 @@ from typing import Literal, Protocol, runtime_checkable
 import torch
 
 from afd_ray.connector.header import StepHeader
+from afd_ray.platform import Backend
 
 __all__ = [
     "AttentionLink",
@@ -92,9 +93,9 @@ Transport = Literal["shm", "gloo", "nccl", "hccl", "cuda_ipc"]
 TransportChoice = Literal["auto", "shm", "gloo", "nccl", "hccl", "cuda_ipc"]
 """`ConnectorConfig.transport`: a transport, or `auto` (picked per pair)."""
 
-_SAME_NODE: dict[str, Transport] = {"gloo": "shm", "nccl": "cuda_ipc", "hccl": "hccl"}
+_SAME_NODE: dict[Backend, Transport] = {"gloo": "shm", "nccl": "cuda_ipc", "hccl": "hccl"}
 """Transport `auto` picks for a pair on one Ray node, by collective backend."""
-_ALLOWED: dict[str, frozenset[str]] = {
+_ALLOWED: dict[Backend, frozenset[str]] = {
     "gloo": frozenset({"shm", "gloo"}),
     "nccl": frozenset({"nccl", "cuda_ipc"}),
     "hccl": frozenset({"hccl"}),
@@ -248,7 +249,7 @@ class FFNLink(Protocol):
         """Close every pair and the header socket."""
 
 
-def select_transport(choice: TransportChoice, backend: str, same_node: bool) -> Transport:
+def select_transport(choice: TransportChoice, backend: Backend, same_node: bool) -> Transport:
     """The data plane of one pair.
 
     Args:
@@ -272,7 +273,7 @@ def select_transport(choice: TransportChoice, backend: str, same_node: bool) -> 
     return choice
 
 
-def check_transport(transport: str, backend: str, field: str | None = "connector.transport") -> None:
+def check_transport(transport: str, backend: Backend, field: str | None = "connector.transport") -> None:
     """Raise ValueError unless `transport` carries the tensors of `backend`'s device;
     the message starts with `field` (None: a pydantic field validator's error already
     names its field)."""

@@ -13,11 +13,13 @@ import torch
 import torch._C._distributed_c10d as c10d
 import torch.distributed as dist
 
+from afd_ray.platform import Backend
+
 __all__ = ["new_process_group", "registered_gloo_group", "unregister_group"]
 
 
 def new_process_group(
-    backend: str, store: dist.Store, rank: int, world_size: int, timeout_s: float
+    backend: Backend, store: dist.Store, rank: int, world_size: int, timeout_s: float
 ) -> dist.ProcessGroup:
     """Build a process group of `world_size` ranks that rendezvous through `store`.
 

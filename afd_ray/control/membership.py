@@ -14,6 +14,7 @@ from afd_ray.autoscale.policy import MetricsSnapshot
 from afd_ray.connector.channel import FFNAddress
 from afd_ray.connector.link import Transport
 from afd_ray.observability.timeline import StepSplit
+from afd_ray.platform import Backend
 
 __all__ = [
     "AFDStatus",
@@ -110,7 +111,7 @@ class EPAssignment(_Record):
     host: str
     store_port: int
     epoch: int
-    backend: str
+    backend: Backend
     timeout_s: float
     ranks: tuple[int, ...] = ()
     """The FFN ranks of that layout in EP order (what the rank tells a restarted

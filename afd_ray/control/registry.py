@@ -30,6 +30,7 @@ from afd_ray.control.membership import (
     MemberState,
 )
 from afd_ray.control.placement import least_loaded, peer_load
+from afd_ray.platform import Backend
 
 __all__ = ["Plan", "Registry"]
 
@@ -57,7 +58,7 @@ class Registry:
     """
 
     def __init__(
-        self, backend: str, timeout_s: float, first_layout_size: int, transport: TransportChoice = "auto"
+        self, backend: Backend, timeout_s: float, first_layout_size: int, transport: TransportChoice = "auto"
     ) -> None:
         self.backend = backend
         self.transport = transport

@@ -22,13 +22,14 @@ import torch
 
 from afd_ray.connector.channel import AttentionChannel, FFNChannel
 from afd_ray.plan.schema import Link
+from afd_ray.platform import Backend
 
 __all__ = ["fit_link", "measure_link"]
 
 _TIMEOUT_S = 60.0
 
 
-def _echo(queue: mp.Queue, backend: str, hidden: int, dtype: torch.dtype, rounds: int, sizes: Sequence[int]) -> None:
+def _echo(queue: mp.Queue, backend: Backend, hidden: int, dtype: torch.dtype, rounds: int, sizes: Sequence[int]) -> None:
     channel = FFNChannel("127.0.0.1", backend, _TIMEOUT_S)
     queue.put(channel.address)
     try:
@@ -65,7 +66,7 @@ def fit_link(tokens: Sequence[int], round_trip_s: Sequence[float], row_bytes: in
 
 
 def measure_link(
-    hidden: int, dtype: torch.dtype, backend: str = "gloo", sizes: Sequence[int] = (1, 64, 512, 4096), rounds: int = 50
+    hidden: int, dtype: torch.dtype, backend: Backend = "gloo", sizes: Sequence[int] = (1, 64, 512, 4096), rounds: int = 50
 ) -> Link:
     """Measure the connector's layer round trip for each `sizes` token count and fit a
     `Link` (latency per message, bandwidth). Takes about a second on CPU.
