@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +15,7 @@ from ray import serve
 from ray._private import ray_constants
 
 from afd_ray.compat import any_dashboard_agent_port
-from afd_ray.serve.ingress_env import private_cluster_env
+from afd_ray.serve.ingress_env import free_port, private_cluster_env
 from afd_ray.serve.app import build_app
 
 YAML = Path(__file__).parents[1] / "deployments" / "afd.yaml"
@@ -92,7 +91,7 @@ def ray_cluster(request: pytest.FixtureRequest) -> Iterator[None]:
         if not dashboard:
             ray.init(address="local", include_dashboard=False, num_cpus=8)
         else:
-            port = _free_port()
+            port = free_port()
             request.config.stash[_DASHBOARD] = f"http://127.0.0.1:{port}"
             env.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
             # Ray waits 60 s for the dashboard (RAY_DASHBOARD_STARTUP_TIMEOUT_S, read once at
@@ -116,12 +115,6 @@ def ray_dashboard(ray_cluster: None, request: pytest.FixtureRequest) -> str:
     return request.config.stash[_DASHBOARD]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def args() -> dict[str, object]:
     """The `args` of the `afd` application in the shipped `deployments/afd.yaml`."""
@@ -132,7 +125,7 @@ def args() -> dict[str, object]:
 @pytest.fixture(scope="session")
 def serve_url(ray_cluster: None) -> Iterator[str]:
     """Ray Serve on the session cluster, its HTTP ingress (HAProxy) on a free loopback port."""
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()

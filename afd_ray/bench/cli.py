@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import socket
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import date
@@ -35,7 +34,7 @@ from afd_ray.bench.config import BenchConfig, Topology
 from afd_ray.bench.schema import BenchResult, FFNRankResult
 from afd_ray.models import FAMILIES
 from afd_ray.models.shapes import SHAPES
-from afd_ray.serve.ingress_env import private_cluster_env
+from afd_ray.serve.ingress_env import free_port, private_cluster_env
 
 __all__ = ["build_parser", "format_table", "main", "serve_endpoint", "usage_message"]
 
@@ -178,12 +177,6 @@ def usage_message(error: ValueError) -> str:
     return "; ".join(lines.values())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _local_cpus(cfg: BenchConfig) -> int:
     """Ray CPUs of a private cluster: the cores, or more if the largest topology's
     bundles need more scheduling units (the cores are then shared)."""
@@ -197,7 +190,7 @@ def _serve_url(dashboard_url: str | None) -> str:
     import httpx
     from ray import serve
 
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     if not dashboard_url:
         return f"http://127.0.0.1:{port}"

@@ -19,7 +19,7 @@ from types import MappingProxyType
 
 from ray.serve._private.haproxy import get_haproxy_binary
 
-__all__ = ["INGRESS_ENV", "haproxy_installed", "private_cluster_env"]
+__all__ = ["INGRESS_ENV", "free_port", "haproxy_installed", "private_cluster_env"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,9 +45,9 @@ def private_cluster_env() -> dict[str, str]:
         logger.warning("no HAProxy binary: Serve's Python proxy serves HTTP (no direct ingress)")
         return {}
     return dict(INGRESS_ENV) | {
-        "RAY_SERVE_HAPROXY_STATS_PORT": str(_free_port()),
-        "RAY_SERVE_HAPROXY_METRICS_PORT": str(_free_port()),
-        "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(_free_port()),
+        "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
+        "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
+        "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(free_port()),
     }
 
 
@@ -61,7 +61,9 @@ def haproxy_installed() -> bool:
     return True
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the OS picks it; another process may take it
+    before the caller binds it)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -31,7 +31,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -85,20 +84,16 @@ def _plain(checkpoint: Path, dtype: str, mode: str | None) -> tuple[list[list[in
     return tokens, logprobs
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def serve_url() -> str:
     ray = pytest.importorskip("ray", reason="needs Ray (the device pack)")
     from ray import serve
 
+    from afd_ray.serve.ingress_env import free_port
+
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(num_gpus=1, include_dashboard=False)
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()

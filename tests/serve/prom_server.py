@@ -14,7 +14,6 @@ import ctypes
 import math
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -22,6 +21,8 @@ from pathlib import Path
 import httpx
 import ray
 from ray._private.metrics_agent import PrometheusServiceDiscoveryWriter
+
+from afd_ray.serve.ingress_env import free_port
 
 __all__ = ["Prometheus", "write_ray_service_discovery"]
 
@@ -47,12 +48,6 @@ def write_ray_service_discovery() -> Path:
 def _die_with_parent() -> None:
     """In the child: SIGTERM when the parent dies (Linux `prctl(PR_SET_PDEATHSIG)`)."""
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Prometheus:
@@ -81,7 +76,7 @@ class Prometheus:
             f"      - files: ['{sd_file}']\n"
             "        refresh_interval: 5s\n"
         )
-        self.url = f"http://127.0.0.1:{_free_port()}"
+        self.url = f"http://127.0.0.1:{free_port()}"
         self.started = time.time()
         """Start of the process, Unix seconds (the first possible sample)."""
         self._log = folder / "prometheus.log"

@@ -22,7 +22,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-import socket
 import sys
 import time
 
@@ -32,12 +31,7 @@ from ray import serve
 from ray.cluster_utils import Cluster
 
 from afd_ray.serve.app import build_app
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from afd_ray.serve.ingress_env import free_port
 
 
 _DIRECT_UP_S = 60.0
@@ -84,7 +78,7 @@ def main(checkpoint: str, prompts: list[str], max_tokens: int) -> dict[str, obje
     try:
         worker = cluster.add_node(node_ip_address="127.0.0.2", num_cpus=1, resources={"ffn_node": 1})
         cluster.connect()
-        port = _free_port()
+        port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port, "location": "HeadOnly"})
         args = {
             "model": {"source": checkpoint, "served_name": "tiny", "max_model_len": 256},
