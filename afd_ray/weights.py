@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-__all__ = ["Role", "expert_of", "ffn_block_name", "ffn_block_prefix", "ffn_layer_params", "role_of"]
+__all__ = ["Role", "expert_of", "ffn_block_name", "ffn_block_prefix", "ffn_layer_params", "resident_bytes", "role_of"]
 
 _FFN = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.(.+)$")
 """A decoder layer's FFN block: `mlp.` (Llama, Qwen3-MoE, DeepSeek) or
@@ -131,3 +131,14 @@ def ffn_layer_params(
                     experts is None or expert is None or expert in experts
                 ):
                     yield layer, inner, f.get_tensor(name)
+
+
+def resident_bytes(model: torch.nn.Module) -> dict[str, int]:
+    """Resident parameter bytes of `model`, keyed by parameter name with the layer
+    indices left out (e.g. `model.layers.self_attn.qkv_proj.weight`, summed over the
+    layers): what one role holds, to show that no tensor is resident in both."""
+    totals: dict[str, int] = {}
+    for name, param in model.named_parameters():
+        key = ".".join(part for part in name.split(".") if not part.isdigit())
+        totals[key] = totals.get(key, 0) + param.numel() * param.element_size()
+    return totals

@@ -7,7 +7,6 @@ forward pass (and no A2F/F2A exchange) is in flight while the pair channel chang
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import asdict
 
 from afd_ray.attention.ffn_client import (
@@ -19,6 +18,7 @@ from afd_ray.attention.ffn_client import (
 )
 from afd_ray.compat import batch_request_ids
 from afd_ray.control.membership import AttentionAssignment
+from afd_ray.weights import resident_bytes
 
 __all__ = ["AFDWorkerExtension"]
 
@@ -32,11 +32,7 @@ class AFDWorkerExtension:
         Keys are the parameter name with layer indices removed (e.g.
         `model.layers.self_attn.qkv_proj.weight`); values are bytes.
         """
-        totals: dict[str, int] = defaultdict(int)
-        for name, param in self.model_runner.model.named_parameters():
-            key = ".".join(p for p in name.split(".") if not p.isdigit())
-            totals[key] += param.numel() * param.element_size()
-        return dict(totals)
+        return resident_bytes(self.model_runner.model)
 
     def afd_graphs_captured(self) -> int:
         """CUDA graphs vLLM captured in this worker (its `compilation_counter`; with

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections import defaultdict
 from contextlib import suppress
 from datetime import timedelta
 
@@ -47,6 +46,7 @@ from afd_ray.ffn.runtime import FFNRuntime, LayoutSwitch
 from afd_ray.models.embedded import resolve_checkpoint
 from afd_ray.observability.publish import FFNPublisher
 from afd_ray.platform import collective_backend, lower_data_plane_priority, torch_device
+from afd_ray.weights import resident_bytes
 
 __all__ = ["FFNServer"]
 
@@ -242,11 +242,7 @@ class FFNServer:
     async def param_bytes(self) -> dict[str, int]:
         """Resident parameter bytes of this rank's FFN model, keyed by parameter name
         without layer indices (e.g. `layers.down_proj.weight`)."""
-        totals: dict[str, int] = defaultdict(int)
-        for name, param in self._runtime.model.named_parameters():
-            key = ".".join(p for p in name.split(".") if not p.isdigit())
-            totals[key] += param.numel() * param.element_size()
-        return dict(totals)
+        return resident_bytes(self._runtime.model)
 
     async def peer_transports(self) -> dict[int, str]:
         """The data plane of each open pair, by attention rank (`shm`, `gloo`, ...)."""
