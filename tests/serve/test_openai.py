@@ -277,9 +277,16 @@ def _replica_pids(app: str, deployment: str) -> list[int]:
 
 
 def _engine_of(replica: int) -> psutil.Process:
-    """The one vLLM EngineCore child process of the attention replica with pid `replica`."""
+    """The one vLLM EngineCore child process of the attention replica with pid `replica`:
+    the replica's multiprocessing child (its other child is multiprocessing's resource
+    tracker). vLLM titles it `VLLM::EngineCore` with setproctitle, but once (full suite,
+    2026-12-03) /proc showed the spawn command line while that engine ran and logged,
+    so the title is not what finds it."""
     children = psutil.Process(replica).children()
-    engines = [child for child in children if " ".join(child.cmdline()).startswith("VLLM::EngineCore")]
+    engines = [
+        child for child in children
+        if " ".join(child.cmdline()).startswith("VLLM::EngineCore") or "spawn_main" in " ".join(child.cmdline())
+    ]
     assert len(engines) == 1, [(child.pid, child.cmdline()) for child in children]
     return engines[0]
 
