@@ -5,7 +5,8 @@ Inputs, each written on the device by `benchmarks/h200/product.sh` / `micro.sh`:
 - `--serve-logs`: logs of `tests/gpu/test_serve_one_gpu.py` (its `SERVE_ONE_GPU {...}`
   lines: one record per family and graph mode);
 - `--bench`: `python -m afd_ray.bench` result JSON (`afd_ray.bench.schema.BenchResult`),
-  plain vLLM and AFD 1A:1F of one model shape;
+  plain vLLM and AFD 1A:1F of one model shape (DeepSeek-V2-Lite's, the issue's keys);
+- `--other-benches`: the same for other shapes (Qwen3-30B-A3B's), under `other_shapes`;
 - `--roundtrip`: `python -m afd_ray.bench.cuda_ipc` JSON (`roundtrip_us_graph`);
 - `--moe-layer`: `python -m afd_ray.bench.moe_layer` JSON.
 
@@ -18,7 +19,8 @@ tok/s) and `product` (batch -> tok/s and TPOT per side), plus `graphs` (whether 
 bench ran CUDA graphs) and `step_split` (batch -> the AFD 1A:1F run's FFN step split:
 `timed_steps`, `step_ms`, `attention_ms`, `wire_ms`, `ffn_ms`, `idle_ms` and the four
 `*_fraction`s, `afd_ray.bench.schema.StepSplitResult`; left out when the bench timed
-no step). A missing input leaves its keys out.
+no step), and `other_shapes` (shape -> the same keys from `--other-benches`). A missing
+input leaves its keys out.
 """
 
 from __future__ import annotations
@@ -104,9 +106,18 @@ def product(result: BenchResult) -> dict[str, object]:
 
 
 def summarize(
-    serve_logs: list[Path], bench: Path | None, roundtrip: Path | None, moe_layer: Path | None
+    serve_logs: list[Path],
+    bench: Path | None,
+    roundtrip: Path | None,
+    moe_layer: Path | None,
+    other_benches: list[Path] | None = None,
 ) -> dict[str, object]:
-    """The results object of one GPU run (module docstring); inputs left None are skipped."""
+    """The results object of one GPU run (module docstring); inputs left None are skipped.
+
+    Raises:
+        ValueError: a bench result has no plain or no 1A:1F run, or an other bench
+            holds more than one shape.
+    """
     out: dict[str, object] = {}
     if bench is not None:
         result = BenchResult.model_validate_json(bench.read_text())
@@ -122,7 +133,14 @@ def summarize(
         out.setdefault("vllm_version", layer["vllm_version"])
     if bench is not None:
         out |= product(result)
-    return out
+    others: dict[str, dict[str, object]] = {}
+    for path in other_benches or []:
+        shape = product(BenchResult.model_validate_json(path.read_text()))
+        families = shape["families"]
+        if len(families) != 1:
+            raise ValueError(f"--other-benches: {path} holds shapes {families}; give one file per shape")
+        others[families[0]] = shape
+    return out | ({"other_shapes": others} if others else {})
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -131,9 +149,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bench", type=Path, help="python -m afd_ray.bench result JSON (plain and 1A1F)")
     parser.add_argument("--roundtrip", type=Path, help="python -m afd_ray.bench.cuda_ipc JSON")
     parser.add_argument("--moe-layer", type=Path, help="python -m afd_ray.bench.moe_layer JSON")
+    parser.add_argument("--other-benches", type=Path, nargs="*", default=[], help="bench JSONs of other shapes")
     parser.add_argument("--out", type=Path, required=True, help="the results file to write")
     args = parser.parse_args(argv)
-    summary = summarize(args.serve_logs, args.bench, args.roundtrip, args.moe_layer)
+    summary = summarize(args.serve_logs, args.bench, args.roundtrip, args.moe_layer, args.other_benches)
     args.out.write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps({k: summary[k] for k in ("equal_tokens", "afd_over_plain_tok_s") if k in summary}))
 

@@ -94,6 +94,7 @@ done
 # micro.sh's cuda_ipc.json / moe_layer.json when it ran into the same OUT first.
 summary=(--serve-logs "$out"/*.log)
 [ -f "$out/product-dsv2.json" ] && summary+=(--bench "$out/product-dsv2.json")
+[ -f "$out/product-qwen3.json" ] && summary+=(--other-benches "$out/product-qwen3.json")
 [ -f "$out/cuda_ipc.json" ] && summary+=(--roundtrip "$out/cuda_ipc.json")
 [ -f "$out/moe_layer.json" ] && summary+=(--moe-layer "$out/moe_layer.json")
 python3 -m afd_ray.bench.summary "${summary[@]}" --out "$out/product.json" || failed=$((failed + 1))

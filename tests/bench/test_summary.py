@@ -89,3 +89,17 @@ def test_the_step_split_of_each_afd_batch_is_reported(tmp_path: Path) -> None:
         "timed_steps": 64, "step_ms": 10.0, "attention_ms": 4.0, "wire_ms": 0.5, "ffn_ms": 0.64, "idle_ms": 4.86,
         "attention_fraction": 0.4, "wire_fraction": 0.05, "ffn_fraction": 0.064, "idle_fraction": 0.486,
     }  # fmt: skip
+
+
+def test_other_shapes_are_reported_beside_the_main_one() -> None:
+    """Run D (2026-12-03): the Qwen3-30B-A3B bench goes under `other_shapes`, with its
+    own best-vs-best ratio (2434.7 / 2420.7 tok/s at batch 64); the main keys stay
+    DeepSeek-V2-Lite's (5649.9 / 5978.4)."""
+    got = summarize(
+        [], RESULTS / "h200-2026-12-03d-product-dsv2.json", None, None,
+        [RESULTS / "h200-2026-12-03d-product-qwen3.json"],
+    )  # fmt: skip
+    assert got["families"] == ["deepseek-v2-lite"] and got["afd_over_plain_tok_s"] == 0.945
+    qwen3 = got["other_shapes"]["qwen3-30b-a3b"]
+    assert qwen3["afd_over_plain_tok_s"] == round(2434.7 / 2420.7, 3)
+    assert qwen3["product"]["16"]["1A1F"]["tpot_p50_ms"] == 17.14
