@@ -184,7 +184,7 @@ class _AdmittedRoute(APIRoute):
     by another call, and under a burst a refusal that waited for it took 76 ms more,
     median, loaded 2-core machine; with direct ingress it comes from the connection). An
     admitted request's body is then read within `ingress.body_timeout_s` (else 408,
-    and the place is given back).
+    and the place is given back; a client that goes away mid-body gives it back too).
     The route finds its place in `request.state.admitted` (`_Pass`); it is given back
     if the route fails (e.g. a body that does not validate: 400)."""
 
@@ -204,6 +204,9 @@ class _AdmittedRoute(APIRoute):
                     HTTPStatus.REQUEST_TIMEOUT, f"body: the request body did not arrive within "
                     f"{ingress._body_timeout_s:g} s (ingress.body_timeout_s)", "RequestTimeoutError", "body",
                 ))  # fmt: skip
+            except BaseException:  # the client went away mid-body (ClientDisconnect), or cancelled
+                _pass_of(request).ticket.done()
+                raise
             try:
                 return await handler(request)
             except BaseException:

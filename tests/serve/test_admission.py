@@ -205,6 +205,32 @@ def test_a_stalled_body_gives_its_place_back(guarded: httpx.Client) -> None:
     assert response.status_code == 200, response.text
 
 
+def _abandon_half_a_body(client: httpx.Client) -> None:
+    """POST /v1/completions over a raw socket with the headers and half the body its
+    `Content-Length` announces, then close the connection without waiting for an answer."""
+    url = client.base_url
+    body = json.dumps(_completion(stream=False)).encode()
+    head = (f"POST {url.path.rstrip('/')}/v1/completions HTTP/1.1\r\nHost: {url.host}\r\n"
+            f"Authorization: {USER['Authorization']}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()  # fmt: skip
+    with socket.create_connection((url.host, url.port), timeout=10) as connection:
+        connection.sendall(head + body[: len(body) // 2])
+        time.sleep(0.2)  # admitted: the ingress is reading the body
+
+
+def test_an_abandoned_body_gives_its_place_back(guarded: httpx.Client) -> None:
+    """A client that closes its connection halfway through an admitted request's body
+    gives its admission place back. Before, only a body that timed out did:
+    each abandoned upload held its place for good (`ClientDisconnect` while reading the
+    body), and `CAPACITY` of them refused every later request with 429 until a restart."""
+    _wait_admission(guarded, lambda a: a["in_flight"] == 0)
+    for _ in range(CAPACITY):
+        _abandon_half_a_body(guarded)
+    _wait_admission(guarded, lambda a: a["in_flight"] == 0, within_s=BODY_TIMEOUT_S + 5)
+    response = guarded.post("/v1/completions", json=_completion(stream=False, max_tokens=2), headers=USER)
+    assert response.status_code == 200, response.text
+
+
 def test_deadline_header(guarded: httpx.Client) -> None:
     for bad in ("soon", "-5", "0"):
         response = guarded.post("/v1/completions", json=_completion(), headers=USER | {"x-request-deadline-ms": bad})
