@@ -102,6 +102,17 @@ in an earlier run). On 2026-12-03, a slower day of the same machine, this test t
 below the control plane's CPU priority (`afd_ray.platform.lower_data_plane_priority`)."""
 
 
+def _half_a_body(client: httpx.Client) -> bytes:
+    """The bytes of a POST /v1/completions to `client`'s server: the headers, and only
+    half of the body their `Content-Length` announces."""
+    url = client.base_url
+    body = json.dumps(_completion(stream=False)).encode()
+    head = (f"POST {url.path.rstrip('/')}/v1/completions HTTP/1.1\r\nHost: {url.host}\r\n"
+            f"Authorization: {USER['Authorization']}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()  # fmt: skip
+    return head + body[: len(body) // 2]
+
+
 def _answer_to_half_a_body(client: httpx.Client) -> tuple[bytes, float]:
     """POST /v1/completions over a raw socket, sending the headers and only half of
     the body its `Content-Length` announces: the response head, and seconds to it.
@@ -110,13 +121,9 @@ def _answer_to_half_a_body(client: httpx.Client) -> tuple[bytes, float]:
         TimeoutError: no answer within 10 s.
     """
     url = client.base_url
-    body = json.dumps(_completion(stream=False)).encode()
-    head = (f"POST {url.path.rstrip('/')}/v1/completions HTTP/1.1\r\nHost: {url.host}\r\n"
-            f"Authorization: {USER['Authorization']}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode()  # fmt: skip
     with socket.create_connection((url.host, url.port), timeout=10) as connection:
         sent = time.monotonic()
-        connection.sendall(head + body[: len(body) // 2])
+        connection.sendall(_half_a_body(client))
         answer = b""
         while b"\r\n\r\n" not in answer:
             chunk = connection.recv(4096)
@@ -209,12 +216,8 @@ def _abandon_half_a_body(client: httpx.Client) -> None:
     """POST /v1/completions over a raw socket with the headers and half the body its
     `Content-Length` announces, then close the connection without waiting for an answer."""
     url = client.base_url
-    body = json.dumps(_completion(stream=False)).encode()
-    head = (f"POST {url.path.rstrip('/')}/v1/completions HTTP/1.1\r\nHost: {url.host}\r\n"
-            f"Authorization: {USER['Authorization']}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode()  # fmt: skip
     with socket.create_connection((url.host, url.port), timeout=10) as connection:
-        connection.sendall(head + body[: len(body) // 2])
+        connection.sendall(_half_a_body(client))
         time.sleep(0.2)  # admitted: the ingress is reading the body
 
 
