@@ -4,8 +4,10 @@
 Inputs, each written on the device by `benchmarks/h200/product.sh` / `micro.sh`:
 - `--serve-logs`: logs of `tests/gpu/test_serve_one_gpu.py` (its `SERVE_ONE_GPU {...}`
   lines: one record per family and graph mode);
-- `--bench`: `python -m afd_ray.bench` result JSON (`afd_ray.bench.schema.BenchResult`),
-  plain vLLM and AFD 1A:1F of one model shape (DeepSeek-V2-Lite's, the issue's keys);
+- `--bench`: `python -m afd_ray.bench` result JSONs (`afd_ray.bench.schema.BenchResult`),
+  plain vLLM and AFD 1A:1F of one model shape (DeepSeek-V2-Lite's, the issue's keys),
+  one or more runs (a batch measured again in a later file takes that file's numbers);
+- `--fan-in`: the same, plain vs 2A:1F vs 2A:1F-dbo (`product.sh fanin`);
 - `--other-benches`: the same for other shapes (Qwen3-30B-A3B's), under `other_shapes`;
 - `--roundtrip`: `python -m afd_ray.bench.cuda_ipc` JSON (`roundtrip_us_graph`);
 - `--moe-layer`: `python -m afd_ray.bench.moe_layer` JSON.
@@ -19,8 +21,10 @@ tok/s) and `product` (batch -> tok/s and TPOT per side), plus `graphs` (whether 
 bench ran CUDA graphs) and `step_split` (batch -> the AFD 1A:1F run's FFN step split:
 `timed_steps`, `step_ms`, `attention_ms`, `wire_ms`, `ffn_ms`, `idle_ms` and the four
 `*_fraction`s, `afd_ray.bench.schema.StepSplitResult`; left out when the bench timed
-no step), and `other_shapes` (shape -> the same keys from `--other-benches`). A missing
-input leaves its keys out.
+no step), `other_shapes` (shape -> the same keys from `--other-benches`), and `fan_in`
+(batch -> per layout output tok/s, TPOT and FFN step split, and `dbo_over_no_dbo`: the
+2A:1F-dbo layout's tok/s over 2A:1F's, DBO on over off). A missing input leaves its
+keys out.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from pathlib import Path
 
 from afd_ray.bench.schema import BenchResult
 
-__all__ = ["BF16_MIN_EQUAL", "equality", "main", "product", "summarize"]
+__all__ = ["BF16_MIN_EQUAL", "equality", "fan_in", "main", "product", "summarize"]
 
 BF16_MIN_EQUAL = 0.95
 """Share of equal greedy positions that counts as equal in bfloat16 (the GPU test's bound)."""
@@ -75,53 +79,87 @@ def equality(logs: list[Path]) -> dict[str, object]:
     }
 
 
-def product(result: BenchResult) -> dict[str, object]:
+def _sides(results: list[BenchResult], labels: tuple[str, ...]) -> tuple[dict, dict]:
+    """Per batch (concurrency) and label in `labels`: output tok/s and TPOT p50, and the
+    AFD runs' FFN step split (rounded to 4 digits); later results replace earlier ones."""
+    table: dict[str, dict[str, dict[str, float]]] = {}
+    split: dict[str, dict[str, dict[str, float]]] = {}
+    for result in results:
+        for run in result.runs:
+            if run.label not in labels:
+                continue
+            batch = str(run.concurrency)
+            table.setdefault(batch, {})[run.label] = {
+                "output_tok_s": round(run.output_tokens_per_s, 1), "tpot_p50_ms": round(run.tpot.p50_ms, 2),
+            }  # fmt: skip
+            if run.ffn and run.ffn[0].split is not None:
+                split.setdefault(batch, {})[run.label] = {
+                    k: round(v, 4) for k, v in run.ffn[0].split.model_dump().items()
+                }
+    return table, split
+
+
+def product(results: list[BenchResult]) -> dict[str, object]:
     """Per batch (concurrency) and side (`plain`, `1A1F`): output tok/s and TPOT p50;
     `afd_over_plain_tok_s`: the best AFD 1A:1F batch's tok/s over the best plain batch's;
     `step_split`: per batch, the 1A:1F run's FFN step split (rounded to 4 digits).
 
     Raises:
-        ValueError: the result has no plain or no 1A:1F run.
+        ValueError: the results have no plain or no 1A:1F run.
     """
-    table: dict[str, dict[str, dict[str, float]]] = {}
-    split: dict[str, dict[str, float]] = {}
+    table, split = _sides(results, ("plain", "1A1F"))
     best: dict[str, float] = {}
-    for run in result.runs:
-        if run.label not in ("plain", "1A1F"):
-            continue
-        table.setdefault(str(run.concurrency), {})[run.label] = {
-            "output_tok_s": round(run.output_tokens_per_s, 1), "tpot_p50_ms": round(run.tpot.p50_ms, 2),
-        }  # fmt: skip
-        best[run.label] = max(best.get(run.label, 0.0), run.output_tokens_per_s)
-        if run.label == "1A1F" and run.ffn and run.ffn[0].split is not None:
-            split[str(run.concurrency)] = {k: round(v, 4) for k, v in run.ffn[0].split.model_dump().items()}
+    for sides in table.values():
+        for label, side in sides.items():
+            best[label] = max(best.get(label, 0.0), side["output_tok_s"])
     if set(best) != {"plain", "1A1F"}:
         raise ValueError(f"--bench: needs plain and 1A1F runs, has {sorted(best)}")
+    step_split = {batch: by_label["1A1F"] for batch, by_label in split.items()}
     return {
-        "families": sorted({run.family for run in result.runs}),
-        "graphs": not result.config.enforce_eager,
+        "families": sorted({run.family for result in results for run in result.runs}),
+        "graphs": all(not result.config.enforce_eager for result in results),
         "product": table,
         "afd_over_plain_tok_s": round(best["1A1F"] / best["plain"], 3),
-    } | ({"step_split": split} if split else {})
+    } | ({"step_split": step_split} if step_split else {})
+
+
+def fan_in(result: BenchResult) -> dict[str, dict[str, object]]:
+    """Per batch: output tok/s and TPOT p50 of `plain`, `2A1F` and `2A1F-dbo`, the two
+    AFD layouts' FFN step split, and `dbo_over_no_dbo` (2A1F-dbo tok/s over 2A1F's).
+
+    Raises:
+        ValueError: a batch lacks the 2A1F or the 2A1F-dbo run.
+    """
+    table, split = _sides([result], ("plain", "2A1F", "2A1F-dbo"))
+    out: dict[str, dict[str, object]] = {}
+    for batch, sides in table.items():
+        if not {"2A1F", "2A1F-dbo"} <= set(sides):
+            raise ValueError(f"--fan-in: batch {batch} needs 2A1F and 2A1F-dbo runs, has {sorted(sides)}")
+        ratio = sides["2A1F-dbo"]["output_tok_s"] / sides["2A1F"]["output_tok_s"]
+        out[batch] = sides | {"step_split": split.get(batch, {}), "dbo_over_no_dbo": round(ratio, 3)}
+    return out
 
 
 def summarize(
     serve_logs: list[Path],
-    bench: Path | None,
+    benches: list[Path],
     roundtrip: Path | None,
     moe_layer: Path | None,
     other_benches: list[Path] | None = None,
+    fan_in_bench: Path | None = None,
 ) -> dict[str, object]:
-    """The results object of one GPU run (module docstring); inputs left None are skipped.
+    """The results object of one GPU run (module docstring); inputs left None or empty
+    are skipped.
 
     Raises:
-        ValueError: a bench result has no plain or no 1A:1F run, or an other bench
-            holds more than one shape.
+        ValueError: the benches have no plain or no 1A:1F run, an other bench holds
+            more than one shape, or the fan-in bench lacks a layout.
     """
     out: dict[str, object] = {}
-    if bench is not None:
-        result = BenchResult.model_validate_json(bench.read_text())
-        out |= {"gpu": result.machine.gpu, "vllm_version": result.machine.vllm, "date": result.created}
+    results = [BenchResult.model_validate_json(path.read_text()) for path in benches]
+    if results:
+        last = results[-1]
+        out |= {"gpu": last.machine.gpu, "vllm_version": last.machine.vllm, "date": last.created}
     if serve_logs:
         out |= equality(serve_logs)
     if roundtrip is not None:
@@ -131,11 +169,13 @@ def summarize(
         out["moe_layer_over_floor"] = layer[_MOE_SHAPE]["tokens"][_MOE_TOKENS]["fused_over_floor"]
         out.setdefault("gpu", layer["gpu"])
         out.setdefault("vllm_version", layer["vllm_version"])
-    if bench is not None:
-        out |= product(result)
+    if results:
+        out |= product(results)
+    if fan_in_bench is not None:
+        out["fan_in"] = fan_in(BenchResult.model_validate_json(fan_in_bench.read_text()))
     others: dict[str, dict[str, object]] = {}
     for path in other_benches or []:
-        shape = product(BenchResult.model_validate_json(path.read_text()))
+        shape = product([BenchResult.model_validate_json(path.read_text())])
         families = shape["families"]
         if len(families) != 1:
             raise ValueError(f"--other-benches: {path} holds shapes {families}; give one file per shape")
@@ -146,13 +186,16 @@ def summarize(
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m afd_ray.bench.summary", description=__doc__.split("\n\n")[0])
     parser.add_argument("--serve-logs", type=Path, nargs="*", default=[], help="tests/gpu/test_serve_one_gpu.py logs")
-    parser.add_argument("--bench", type=Path, help="python -m afd_ray.bench result JSON (plain and 1A1F)")
+    parser.add_argument(
+        "--bench", type=Path, nargs="*", default=[], help="python -m afd_ray.bench result JSONs (plain and 1A1F)"
+    )
+    parser.add_argument("--fan-in", type=Path, help="python -m afd_ray.bench result JSON (plain, 2A1F, 2A1F-dbo)")
     parser.add_argument("--roundtrip", type=Path, help="python -m afd_ray.bench.cuda_ipc JSON")
     parser.add_argument("--moe-layer", type=Path, help="python -m afd_ray.bench.moe_layer JSON")
     parser.add_argument("--other-benches", type=Path, nargs="*", default=[], help="bench JSONs of other shapes")
     parser.add_argument("--out", type=Path, required=True, help="the results file to write")
     args = parser.parse_args(argv)
-    summary = summarize(args.serve_logs, args.bench, args.roundtrip, args.moe_layer, args.other_benches)
+    summary = summarize(args.serve_logs, args.bench, args.roundtrip, args.moe_layer, args.other_benches, args.fan_in)
     args.out.write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps({k: summary[k] for k in ("equal_tokens", "afd_over_plain_tok_s") if k in summary}))
 

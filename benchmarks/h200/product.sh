@@ -41,8 +41,8 @@
 # H200, and plain vLLM's tok/s moved 25-35% between runs (README, 2026-12-03); 2 x 256
 # tokens per stream make it about 4 s. The three batches then take about 10 min: run
 # BATCHES="16 64" and BATCHES=256 in two device calls (each still plain and AFD in one run).
-# Last, `python -m afd_ray.bench.summary` writes OUT/product.json (the issue-13 keys) from
-# what the parts wrote; run `micro.sh OUT cuda_ipc moe_layer` into the same OUT before
+# Last, `python -m afd_ray.bench.summary` writes OUT/product.json (the issue-13 keys, and
+# `fan_in` with DBO on over off) from what the parts wrote; run `micro.sh OUT cuda_ipc moe_layer` into the same OUT before
 # for its roundtrip and MoE-layer keys.
 # Each prompt is distinct per stream; the unmeasured warm-up round sends the same
 # prompts, so the measured round's prefill is a prefix-cache hit and its TPOT is decode
@@ -95,6 +95,7 @@ done
 summary=(--serve-logs "$out"/*.log)
 [ -f "$out/product-dsv2.json" ] && summary+=(--bench "$out/product-dsv2.json")
 [ -f "$out/product-qwen3.json" ] && summary+=(--other-benches "$out/product-qwen3.json")
+[ -f "$out/product-fanin.json" ] && summary+=(--fan-in "$out/product-fanin.json")
 [ -f "$out/cuda_ipc.json" ] && summary+=(--roundtrip "$out/cuda_ipc.json")
 [ -f "$out/moe_layer.json" ] && summary+=(--moe-layer "$out/moe_layer.json")
 python3 -m afd_ray.bench.summary "${summary[@]}" --out "$out/product.json" || failed=$((failed + 1))

@@ -43,7 +43,7 @@ def test_each_graph_mode_of_a_family_is_kept_apart_with_its_log() -> None:
     """The 2026-12-02 piecewise records and the 2026-12-03 whole-step (`full`) records
     of the same families are two modes each, not one replacing the other."""
     logs = [RESULTS / "h200-2026-12-02-product.log", RESULTS / "h200-2026-12-03-full-graphs.log"]
-    got = summarize(logs, None, None, None)["equal_tokens_by_mode"]
+    got = summarize(logs, [], None, None)["equal_tokens_by_mode"]
     assert set(got["llama"]) == {"graphs", "full"}
     assert got["deepseek_v3"]["graphs"]["equal_positions"] == 82
     assert got["deepseek_v3"]["full"]["equal_positions"] == 96
@@ -56,11 +56,11 @@ def test_a_bench_without_both_sides_is_refused(tmp_path: Path) -> None:
     bench = tmp_path / "plain-only.json"
     bench.write_text(json.dumps(result))
     with pytest.raises(ValueError, match="--bench: needs plain and 1A1F"):
-        summarize([], bench, None, None)
+        summarize([], [bench], None, None)
 
 
 def test_old_bench_results_without_a_step_split_leave_the_key_out() -> None:
-    got = summarize([], RESULTS / f"{RUN}-product-dsv2.json", None, None)
+    got = summarize([], [RESULTS / f"{RUN}-product-dsv2.json"], None, None)
     assert "step_split" not in got
 
 
@@ -83,7 +83,7 @@ def test_the_step_split_of_each_afd_batch_is_reported(tmp_path: Path) -> None:
     bench = tmp_path / "bench.json"
     bench.write_text(result.model_copy(update={"runs": runs}).model_dump_json())
 
-    got = summarize([], bench, None, None)
+    got = summarize([], [bench], None, None)
     assert sorted(got["step_split"], key=int) == ["16", "64", "256"]  # the AFD batches only
     assert got["step_split"]["64"] == {
         "timed_steps": 64, "step_ms": 10.0, "attention_ms": 4.0, "wire_ms": 0.5, "ffn_ms": 0.64, "idle_ms": 4.86,
@@ -96,10 +96,41 @@ def test_other_shapes_are_reported_beside_the_main_one() -> None:
     own best-vs-best ratio (2434.7 / 2420.7 tok/s at batch 64); the main keys stay
     DeepSeek-V2-Lite's (5649.9 / 5978.4)."""
     got = summarize(
-        [], RESULTS / "h200-2026-12-03d-product-dsv2.json", None, None,
+        [], [RESULTS / "h200-2026-12-03d-product-dsv2.json"], None, None,
         [RESULTS / "h200-2026-12-03d-product-qwen3.json"],
     )  # fmt: skip
     assert got["families"] == ["deepseek-v2-lite"] and got["afd_over_plain_tok_s"] == 0.945
     qwen3 = got["other_shapes"]["qwen3-30b-a3b"]
     assert qwen3["afd_over_plain_tok_s"] == round(2434.7 / 2420.7, 3)
     assert qwen3["product"]["16"]["1A1F"]["tpot_p50_ms"] == 17.14
+
+
+def test_runs_of_one_shape_merge_by_batch() -> None:
+    """Run D measured batches 16 and 64, run E (2026-12-03) batch 256, each with both
+    sides in one run: the table holds all three, and the best batch is run E's 256
+    (7654.6 / 7853.4 tok/s)."""
+    got = summarize(
+        [], [RESULTS / "h200-2026-12-03d-product-dsv2.json", RESULTS / "h200-2026-12-03e-product-dsv2.json"], None, None
+    )
+    assert sorted(got["product"], key=int) == ["16", "64", "256"]
+    assert got["product"]["64"]["plain"]["output_tok_s"] == 5978.4
+    assert got["afd_over_plain_tok_s"] == round(7654.6 / 7853.4, 3)
+    assert got["step_split"]["256"]["timed_steps"] == 204
+
+
+def test_fan_in_reports_dbo_on_over_off() -> None:
+    """Run E's fan-in: 2A:1F-dbo 3699.8 tok/s over 2A:1F's 2853.5 at batch 64."""
+    got = summarize([], [], None, None, fan_in_bench=RESULTS / "h200-2026-12-03e-product-fanin.json")["fan_in"]
+    assert list(got) == ["64"]
+    assert got["64"]["dbo_over_no_dbo"] == round(3699.8 / 2853.5, 3)
+    assert got["64"]["plain"]["output_tok_s"] == 5917.9
+    assert set(got["64"]["step_split"]) == {"2A1F", "2A1F-dbo"}
+
+
+def test_a_fan_in_without_both_layouts_is_refused(tmp_path: Path) -> None:
+    result = json.loads((RESULTS / "h200-2026-12-03e-product-fanin.json").read_text())
+    result["runs"] = [run for run in result["runs"] if run["label"] != "2A1F-dbo"]
+    bench = tmp_path / "no-dbo.json"
+    bench.write_text(json.dumps(result))
+    with pytest.raises(ValueError, match="--fan-in: batch 64 needs 2A1F and 2A1F-dbo"):
+        summarize([], [], None, None, fan_in_bench=bench)
