@@ -387,7 +387,7 @@ class AFDConfig(_Section):
     (gloo/nccl/hccl) and the Ray resource key (CPU/GPU/NPU)."""
 
     gate_placement: GatePlacement = "gate_on_ffn"
-    """Where MoE routing runs (DESIGN §2). `gate_on_ffn`: the FFN receives hidden
+    """Where MoE routing runs (docs/models.md, gate placement). `gate_on_ffn`: the FFN receives hidden
     states and routes them. `gate_on_attention`: the attention rank computes the
     top-k ids and weights and sends them with the hidden states, and dense MLP layers
     stay on the attention rank (MoE models only)."""

@@ -1,6 +1,6 @@
 """Which role owns which checkpoint tensor, and loading one role's tensors.
 
-This is the only place that decides weight ownership (DESIGN §2): the attention role
+This is the only place that decides weight ownership (docs/models.md, gate placement): the attention role
 loads embeddings, norms, attention and the LM head; the FFN role loads everything
 under a decoder layer's FFN block, `mlp.` (Llama, Qwen3-MoE, DeepSeek) or
 `block_sparse_moe.` (Mixtral): the dense MLP, or the MoE's router gate
@@ -57,7 +57,7 @@ def role_of(name: str, gate_on_attention: bool = False, moe_layers: Container[in
     With `gate_on_ffn` (default): FFN for `model.layers.{i}.mlp.*` and
     `model.layers.{i}.block_sparse_moe.*` (dense MLP, gate, routed and shared
     experts). With `gate_on_attention` the router gate and the dense MLPs of layers
-    not in `moe_layers` stay with the attention role (DESIGN §2).
+    not in `moe_layers` stay with the attention role (docs/models.md, gate placement).
     """
     block = ffn_block_name(name)
     if block is None:

@@ -106,7 +106,7 @@ def engine_env(attention: AttentionPoolConfig) -> dict[str, str]:
     """Environment variables to set in an attention replica before it starts vLLM.
 
     vLLM's EngineCore and worker processes are spawned from the replica and inherit
-    its environment, so this is where their threading is decided (DESIGN.md §9):
+    its environment, so this is where their threading is decided:
 
     - `OMP_NUM_THREADS`: `attention.num_threads` OpenMP/torch threads per worker.
     - `VLLM_CPU_OMP_THREADS_BIND=nobind`: vLLM CPU otherwise pins every engine on a

@@ -9,7 +9,7 @@ own profile and warm-up forwards therefore already run through the FFN peer.
 The client uses only the connector contract (`afd_ray.connector.link.AttentionLink`);
 `AttentionChannel` opens the transport the assignment names.
 
-An FFN peer that dies inside a forward pass costs a pause, not the pass (DESIGN §12):
+An FFN peer that dies inside a forward pass costs a pause, not the pass (docs/failures.md):
 on `PeerLostError` the client asks its `AttentionServer` (over the assignment's
 `rescue` endpoint) for the new peer the coordinator assigns once it re-formed the FFN
 layout, joins it, announces the rest of the step (`first_layer` = the current layer)

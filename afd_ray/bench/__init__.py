@@ -5,7 +5,7 @@ plain vLLM (`afd_ray.bench.plain`, which says why this baseline is the fair one)
 as 1A:1F and 2A:2F AFD, one after another on one Ray Serve instance; drives each with
 the same concurrent streaming load (`afd_ray.bench.load`); and writes a `BenchResult`
 JSON (`afd_ray.bench.schema`) plus a table. For AFD runs it puts the A2F/F2A bytes per
-FFN step from `/afd/status` next to DESIGN §1's `2 × L × N_tokens × H × bytes_per_elem`.
+FFN step from `/afd/status` next to docs/models.md's AFD traffic per step, `2 × L × N_tokens × H × bytes_per_elem`.
 
 This facade imports only the config and result models (pydantic), so reading a
 result file does not import Ray or vLLM.

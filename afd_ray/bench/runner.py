@@ -171,7 +171,7 @@ def _settled_status(http: httpx.Client, route: str) -> AFDStatus:
 def _ffn_rank(
     before: FFNMember, after: FFNMember, wall_s: float, layers: int, hidden: int, elem: int
 ) -> FFNRankResult:
-    """Counter deltas of one FFN rank over the load, next to DESIGN §1's formula.
+    """Counter deltas of one FFN rank over the load, next to the AFD traffic per step of docs/models.md.
 
     Raises:
         RuntimeError: the rank served no step during the load.

@@ -112,7 +112,7 @@ class FFNRankResult(_Record):
     f2a_bytes_per_step: float
     """FFN-output bytes sent back per step (all layers)."""
     formula_bytes_per_step: float
-    """DESIGN §1's `2 × L × N_tokens × H × bytes_per_elem`, with L and H from the
+    """The AFD traffic per step of docs/models.md, `2 × L × N_tokens × H × bytes_per_elem`, with L and H from the
     checkpoint config and N_tokens = `mean_tokens_per_step`."""
     busy_fraction: float
     """Time inside steps (receive + compute + send) over the load's wall time (host

@@ -1,4 +1,4 @@
-"""Recovery from lost FFN ranks (DESIGN §12): find a dead FFN rank within a bound,
+"""Recovery from lost FFN ranks (docs/failures.md): find a dead FFN rank within a bound,
 take it out of the layout under a new epoch, and re-form the layout from the live
 ranks and the replacements Serve starts.
 

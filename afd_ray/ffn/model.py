@@ -41,7 +41,7 @@ class FFNStack(nn.Module):
         dtype: model dtype of the parameters; None = torch's default dtype.
         ep_rank, ep_size: this rank's place in the EP group; MoE layers hold only
             the routed experts `placement.owned_experts(E, ep_size, ep_rank)`.
-        gate_on_attention: the gate placement (DESIGN §2).
+        gate_on_attention: the gate placement (docs/models.md).
         attention_compiled: the attention engines run torch.compile (else eager);
             the blocks compute as vLLM does in that mode: the dense MLPs' and shared
             experts' activation rounding (`GatedMLP.act_in_float32`), and an MoE

@@ -1,7 +1,7 @@
 """MoE routing: the gate of one layer, from hidden states to top-k experts and weights.
 
 `Router` holds only the gate weights, so either role can run it: the FFN role by
-default, the attention role with `gate_on_attention` (DESIGN §2).
+default, the attention role with `gate_on_attention` (docs/models.md, gate placement).
 """
 
 from __future__ import annotations

@@ -79,7 +79,7 @@ class FFNRuntime:
     F2A before that step's rows of the next (rule 2 of `afd_ray.connector.channel`),
     so a formed step cannot wait on itself.
 
-    Failures (DESIGN §12): an attention peer lost inside a step gets nothing more;
+    Failures (docs/failures.md): an attention peer lost inside a step gets nothing more;
     the step runs to its end for the others (its rows zeroed; with EP the other
     ranks wait for this one in every layer) and its pair is closed at the boundary.
     A failed EP collective (an EP rank died) closes every attention pair, so the

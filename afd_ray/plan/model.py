@@ -10,7 +10,7 @@ step summed over the L layers, in ms:
                                              message, BW bandwidth, β bytes per element)
 
 A layout has A attention ranks, F FFN ranks and b sequences per attention rank, so
-every step the FFN side sees n = A·b rows (DESIGN §1: the FFN batches the tokens of
+every step the FFN side sees n = A·b rows (docs/models.md: the FFN batches the tokens of
 all its attention peers). Per FFN rank:
 
     MoE (EP over F ranks):   T_F = (f0 + f1·n) / F + T_EP,  T_EP = 2·L·(λ + n·H·β·(F−1)/F / BW) for F > 1
@@ -37,7 +37,8 @@ compete for the cores among themselves. `host_cores` may be fractional: on a mac
 shared with other work, the cores the ranks actually get (e.g. cores × cores / load
 average when the load exceeds the cores). GPUs: leave `host_cores` unset.
 
-The traffic term is DESIGN §1's `bytes_per_step ≈ 2 × L × N_tokens × H × bytes_per_elem`.
+The traffic term is the AFD traffic per step of docs/models.md,
+`bytes_per_step ≈ 2 × L × N_tokens × H × bytes_per_elem`.
 """
 
 from __future__ import annotations

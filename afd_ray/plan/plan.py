@@ -2,7 +2,7 @@
 
 Enumerates every layout with A + F ≤ `devices` (A, F ≥ 1), every batch per attention
 rank in `batches`, DBO off and on, predicts each with `afd_ray.plan.model`
-(formulas and sources there: DESIGN §1's traffic, Step-3 arXiv 2507.19427 and
+(formulas and sources there: docs/models.md's AFD traffic per step, Step-3 arXiv 2507.19427 and
 MegaScale-Infer arXiv 2504.02263 for the ping-pong overlap), keeps those whose TPOT
 meets the SLO, and ranks them by cost per 1M output tokens (equivalently, tokens/s
 per device), then by SLO-goodput. The first is the recommendation.

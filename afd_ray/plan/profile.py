@@ -21,7 +21,7 @@ machine, fitted to a latency and a bandwidth.
 
 Verdict per batch size b (`verdicts`): AFD can pay when the FFN is a large enough part
 of the step to be worth its own devices, `ffn_share >= MIN_FFN_SHARE`, and the A2F/F2A
-traffic DESIGN §1 predicts, `2 × L × b × H × bytes_per_elem` bytes in `2 × L`
+traffic docs/models.md gives, `2 × L × b × H × bytes_per_elem` bytes in `2 × L`
 messages, costs less on the link than the FFN time it takes off the attention ranks
 (`transfer_ms < ffn_ms`); with DBO that traffic can then hide behind compute.
 """

@@ -55,7 +55,7 @@ class Verdict(_Record):
     ffn_share: float
     """`ffn_ms / step_ms`."""
     bytes_per_step: float
-    """DESIGN §1's A2F + F2A bytes: `2 × L × batch × H × bytes_per_elem`."""
+    """The AFD traffic per step (docs/models.md), A2F + F2A bytes: `2 × L × batch × H × bytes_per_elem`."""
     transfer_ms: float
     """Those bytes over the link, with its latency per message (`2 × L` messages)."""
     can_pay: bool

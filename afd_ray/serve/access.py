@@ -1,4 +1,4 @@
-"""Access control of the ingress (DESIGN §12): an optional API key for the OpenAI
+"""Access control of the ingress (docs/failures.md): an optional API key for the OpenAI
 routes and a separate admin key for the routes that change the layout.
 
 The YAML names the environment variables that hold the keys

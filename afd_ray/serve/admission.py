@@ -1,4 +1,4 @@
-"""Admission at the ingress (DESIGN §12): admit a request only if both pools can take
+"""Admission at the ingress (docs/failures.md): admit a request only if both pools can take
 it, else refuse it at once with 429 (or 503 while the pools resize or recover from a
 lost FFN rank) and `Retry-After`,
 instead of queueing without bound.

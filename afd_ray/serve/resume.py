@@ -1,5 +1,5 @@
 """Resuming a streamed completion on another attention rank when its rank dies
-(DESIGN §12): the ingress re-sends the prompt plus the tokens already streamed as a
+(docs/failures.md): the ingress re-sends the prompt plus the tokens already streamed as a
 token-id prompt, re-prefilled by a live rank, and continues the same SSE stream.
 
 What is guaranteed:
