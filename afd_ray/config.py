@@ -170,9 +170,7 @@ class AttentionPoolConfig(_Section):
     the host before each replay; prefill and mixed batches run piecewise. `piecewise`:
     graphs split at the FFN boundary ops, whose exchange runs eagerly between captured
     pieces. `afd_ray.attention.engine.afd_compilation_config` gives the details,
-    including failure semantics. Measured on one H200 (DeepSeek-V2-Lite shape, 1A:1F,
-    benchmarks/results/h200-2026-12-03-full-graphs.json): full_decode 1312 / 2265 /
-    2348 output tok/s at batch 16 / 64 / 256, piecewise 848 / 2160 / 2266."""
+    including failure semantics; docs/cuda.md compares the two modes."""
 
     num_threads: int = Field(1, ge=1)
     """Torch/OpenMP threads of the engine worker process."""
@@ -289,8 +287,9 @@ class ConnectorConfig(_Section):
 
     transport: TransportChoice = "auto"
     """Data plane of each attention↔FFN pair (`afd_ray.connector.link`). `auto`:
-    `shm` when both run on one Ray node, else `gloo` (CPU); `nccl` (CUDA); `hccl`
-    (NPU). A fixed value must carry the platform's tensors (`shm`/`gloo` on CPU)."""
+    on one Ray node `shm` (CPU) or `cuda_ipc` (CUDA), across nodes `gloo` (CPU) or
+    `nccl` (CUDA); `hccl` on Ascend. A fixed value must carry the platform's tensors
+    (`shm`/`gloo` on CPU, `nccl`/`cuda_ipc` on CUDA)."""
 
 
 class IngressConfig(_Section):

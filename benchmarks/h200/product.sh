@@ -10,7 +10,7 @@
 #          plain vLLM in PIECEWISE (the correctness check before timing; equal-full
 #          checks the default mode)
 #   dsv2   DeepSeek-V2-Lite shape, bf16, batch 16/64/256, 4096-token prompts,
-#          128 output tokens (MLA KV: 31 KiB/token, 256 x 4224 tokens in 40 GiB)
+#          MAX_TOKENS output tokens (MLA KV: 31 KiB/token, 256 x 4352 tokens in 40 GiB)
 #   qwen3  Qwen3-30B-A3B shape, the same with 1280-token prompts (its GQA KV cache,
 #          96 KiB/token, leaves no room for 256 x 4K beside its 58 GB of experts)
 #   fanin  DeepSeek-V2-Lite shape, as dsv2 but plain vs 2A:1F vs 2A:1F-dbo (two attention
