@@ -1,4 +1,4 @@
-"""A coordinator restarted by Serve while its members keep serving (DESIGN §12), in
+"""A coordinator restarted by Serve while its members keep serving (docs/failures.md), in
 the middle of an FFN recovery among others, without Ray: the real registry and
 recovery, fed the records the members re-register with (`rejoin_ffn`,
 `rejoin_attention`) and the reports they send, on Serve replica states the test sets."""

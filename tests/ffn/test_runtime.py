@@ -114,7 +114,7 @@ def _check_three_peers(runtime: FFNRuntime) -> None:
     stats = runtime.stats
     assert stats.tokens == sum(sum(sizes) for sizes in plans.values())
     assert stats.layers == stats.steps * runtime.model.num_layers
-    # DESIGN §1: bytes per step = 2 x L x N_tokens x H x bytes_per_elem (float32: 4)
+    # the AFD traffic per step (docs/models.md): bytes per step = 2 x L x N_tokens x H x bytes_per_elem (float32: 4)
     one_way = runtime.model.num_layers * total * runtime.model.hidden_size * 4
     assert (stats.a2f_bytes, stats.f2a_bytes) == (one_way, one_way)
     assert stats.steps <= sum(len(sizes) for sizes in plans.values())
