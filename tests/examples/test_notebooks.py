@@ -56,9 +56,12 @@ def _run(name: str, parameters: dict[str, object], cwd: Path) -> nbformat.Notebo
     return book
 
 
-def _wait_for_jobs_api(dashboard: str) -> None:
-    """Until the dashboard's job agent takes submissions; the probe job checks that a
-    job's `python` imports the project (the `No module named 'ray'` trap of issue 17)."""
+@contextmanager
+def _jobs_api_probe(dashboard: str) -> Iterator[None]:
+    """Submits a probe job once the dashboard's job agent takes submissions; on exit
+    waits for it and checks that it succeeded: a job's `python` imports the project
+    (the `No module named 'ray'` trap of issue 17). The probe runs while the body
+    (the app's deploy) does."""
     client = JobSubmissionClient(dashboard)
     deadline = time.monotonic() + 120
     while True:
@@ -69,6 +72,7 @@ def _wait_for_jobs_api(dashboard: str) -> None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{dashboard}: Jobs API not ready after 120 s") from e
             time.sleep(2)
+    yield
     while not client.get_job_status(job).is_terminal():
         time.sleep(1)
     assert client.get_job_status(job).value == "SUCCEEDED", client.get_job_logs(job)
@@ -103,8 +107,7 @@ def sweep_json(serve_url: str, ray_dashboard: str, tiny_moe: Path, tmp_path_fact
     replicas (coordinator, FFN rank and ingress loops) would otherwise share the 2 CI
     cores with the layouts the sweep deploys and measures."""
     out = tmp_path_factory.mktemp("notebooks")
-    _wait_for_jobs_api(ray_dashboard)
-    with _app(serve_url, tiny_moe) as app_url:
+    with _jobs_api_probe(ray_dashboard), _app(serve_url, tiny_moe) as app_url:
         _run("01_quickstart", {"APP_URL": app_url}, EXAMPLES)
         _run("03_autoscale_tuning", {"APP_URL": app_url, "RECORD_S": 8, "OUT_DIR": str(out / "tuning")}, EXAMPLES)
     assert (out / "tuning" / "shipped.png").stat().st_size > 0 and (out / "tuning" / "eager.png").stat().st_size > 0
