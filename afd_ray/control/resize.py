@@ -13,7 +13,9 @@ through each change, one resize at a time, each returning once the new layout se
   boundary; then attention ranks are rebalanced onto the new ranks.
 - FFN -n: Serve picks a replica and calls its destructor, which calls `ffn_leaving`:
   its attention peers move to the remaining ranks, the remaining ranks load the
-  experts it owned and switch to an EP group without it, then it is GONE.
+  experts it owned and switch to an EP group without it, then it is GONE. A replica
+  Serve stops while the FFN target does not shrink (it failed its health checks) hands
+  nothing over: the recovery finds it dead once it is gone.
 
 It also watches Serve's replica states: a stopping attention replica is DRAINING, a
 vanished one GONE (its FFN peer drops its pair).
@@ -173,7 +175,10 @@ class Resizer:
         A rank this coordinator does not know (it restarted, and the rank has not
         rejoined yet) is waited for, at most `REJOIN_WAIT_S`; one that does not rejoin
         hands nothing over (the other ranks' EP group then fails and the layout is
-        re-formed without it, `Recovery.lost_group`).
+        re-formed without it, `Recovery.lost_group`). A rank of the layout whose replica
+        stops while the layout is no larger than the FFN target (not a scale-in: Serve
+        replaces a replica that failed its health checks) is left in the layout: the
+        recovery finds it dead once its replica is gone and takes the replacement in.
 
         Raises:
             TimeoutError: not done within `autoscale.resize_timeout_s`.
@@ -185,6 +190,12 @@ class Resizer:
             logger.warning("FFN rank %d is leaving but never rejoined this coordinator: nothing handed over", rank)
             return
         if registry.ffn[rank].state is MemberState.GONE:  # found dead: recovery took it out
+            return
+        if rank in registry.layout and len(registry.layout) <= self.targets[FFN_DEPLOYMENT]:
+            # Not a scale-in (that lowers the target first): Serve replaces this replica
+            # (it failed its health checks). Its layout keeps it, so once the replica is
+            # gone the recovery finds it dead and takes the replacement in.
+            logger.warning("FFN rank %d: its replica stops without a scale-in; the recovery replaces it", rank)
             return
         async with self.layout_lock:
             if registry.ffn[rank].state is MemberState.GONE:

@@ -314,3 +314,39 @@ def test_a_rank_leaving_before_it_rejoined_is_waited_for() -> None:
 
     asyncio.run(run())
     assert registry.layout == (0,) and registry.layout_epoch > 3 and registry.ffn[1].state is GONE
+
+
+def test_the_last_ffn_rank_replaced_by_serve_is_recovered() -> None:
+    """1A:1F, layout (0,) of epoch 1. Serve stops FFN rank 0's replica because it
+    failed its health checks (it was SIGSTOPped past `ffn.heartbeat_timeout_s` while
+    the coordinator restarted, then continued and rejoined), not because the pool
+    shrinks: the FFN target stays 1. Its destructor calls `ffn_leaving(0)`, which must
+    not take the rank out by itself (there is no rank to hand anything to); once the
+    replica is gone the recovery finds it dead, re-forms the layout with Serve's
+    replacement and re-peers attention rank 0. Before, `ffn_leaving` marked rank 0
+    GONE while the layout stayed (0,): nothing found it dead, every replacement waited
+    in `ep_assignment` for a layout that never formed, and the service answered 503
+    for good (fresh-user walkthrough, 2026-12-03)."""
+    serve = _Serve("ffn#0")
+    registry, recovery = _coordinator(serve, 1)
+    cfg = AFDConfig.model_validate({"ffn": {"num_ranks": 1}})
+    resizer = Resizer(registry, "afd", cfg.attention, cfg.ffn, cfg.autoscale, replicas=serve)
+    alive = {0: SERVING}
+
+    async def run() -> int:
+        async with _tasks(recovery.watch(), _report(registry, recovery, alive)):
+            registry.rejoin_ffn(_ffn(0, 1, (0,)), (0,), 1)
+            registry.rejoin_attention(_attention(0, ffn_peer=0, epoch=1))
+            await asyncio.wait_for(resizer.ffn_leaving(0), WITHIN_S)
+            del alive[0]
+            serve.states = {"ffn#9": "RUNNING"}  # the stopped replica is gone, its replacement runs
+            replacement = registry.add_ffn(ADDRESS, "ffn#9")
+            alive[replacement] = SERVING
+            await _until(lambda: registry.layout == (replacement,) and not recovery.recovering)
+            return replacement
+
+    replacement = asyncio.run(run())
+    assert registry.plan is None and registry.ffn[0].state is GONE and registry.ffn[replacement].state is READY
+    assert registry.attention[0].ffn_peer == replacement
+    (event,) = recovery.events
+    assert event.lost == [0] and event.error is None, event
