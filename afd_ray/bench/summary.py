@@ -79,11 +79,15 @@ def equality(logs: list[Path]) -> dict[str, object]:
     }
 
 
-def _sides(results: list[BenchResult], labels: tuple[str, ...]) -> tuple[dict, dict]:
+_ByBatchAndLabel = dict[str, dict[str, dict[str, float]]]
+"""batch (concurrency, as a string) -> run label -> named values."""
+
+
+def _sides(results: list[BenchResult], labels: tuple[str, ...]) -> tuple[_ByBatchAndLabel, _ByBatchAndLabel]:
     """Per batch (concurrency) and label in `labels`: output tok/s and TPOT p50, and the
     AFD runs' FFN step split (rounded to 4 digits); later results replace earlier ones."""
-    table: dict[str, dict[str, dict[str, float]]] = {}
-    split: dict[str, dict[str, dict[str, float]]] = {}
+    table: _ByBatchAndLabel = {}
+    split: _ByBatchAndLabel = {}
     for result in results:
         for run in result.runs:
             if run.label not in labels:
