@@ -1,7 +1,8 @@
 """What differs between the platforms `cpu`, `cuda` and `npu`, in one table: the torch
 device type, the collective backend of the connector and EP groups, the Ray resource
 key of a pool member's bundle, and the environment variable that limits a process to
-its devices. Nothing else in the code branches on the platform name.
+its devices. Nothing else in the code branches on the platform name. No torch: the
+torch side of a platform (its device, CUDA streams) is `afd_ray.devices`.
 
 The NPU row follows torch-npu and Ray's NPU accelerator support; it is unverified (no
 NPU to run on). It needs `torch_npu` imported before its device or backend is used.
@@ -11,29 +12,25 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, TypedDict
-
-import torch
-
-if TYPE_CHECKING:
-    from afd_ray.config import Platform
+from typing import Literal, TypedDict
 
 __all__ = [
     "DATA_PLANE_NICE",
     "ActorResources",
     "Backend",
+    "Platform",
     "PlatformSpec",
     "actor_resources",
     "collective_backend",
     "lower_data_plane_priority",
-    "pooled_stream_other_than",
     "platform_spec",
     "resource_key",
-    "torch_device",
     "visible_devices_env",
 ]
 
 
+Platform = Literal["cpu", "cuda", "npu"]
+"""`AFDConfig.platform`: the device kind both pools run on."""
 Backend = Literal["gloo", "nccl", "hccl"]
 """A torch process-group backend of the connector and EP groups (CPU, CUDA, Ascend)."""
 
@@ -100,11 +97,6 @@ def collective_backend(platform: Platform) -> Backend:
     return _PLATFORMS[platform].backend
 
 
-def torch_device(platform: Platform) -> torch.device:
-    """The torch device of a pool member (its Ray actor sees only its own devices)."""
-    return torch.device(_PLATFORMS[platform].device_type)
-
-
 def visible_devices_env(platform: Platform) -> str | None:
     """The environment variable that limits a process to some devices of `platform`
     (`CUDA_VISIBLE_DEVICES`, `ASCEND_RT_VISIBLE_DEVICES`), or None for CPU."""
@@ -125,15 +117,3 @@ def lower_data_plane_priority() -> None:
     full, so a refusal under overload does not queue behind model steps. Raising the
     niceness needs no privilege; it cannot be undone without one."""
     os.nice(DATA_PLANE_NICE)
-
-
-def pooled_stream_other_than(device: torch.device, stream: int) -> torch.cuda.Stream:
-    """A CUDA stream of `device` from torch's pool that is not `stream` (a CUDA stream
-    handle, e.g. `torch.cuda.current_stream().cuda_stream`). torch hands its pooled
-    streams out round-robin (32 per device and priority), so a new
-    `torch.cuda.Stream()` may be one the caller already queues work on, and what it
-    meant to run beside that work would run behind it; another is drawn then."""
-    other = torch.cuda.Stream(device)
-    while other.cuda_stream == stream:
-        other = torch.cuda.Stream(device)
-    return other

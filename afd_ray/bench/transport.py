@@ -2,9 +2,10 @@
 contract, for every CPU transport, two processes on this host.
 
 `python -m afd_ray.bench.transport [--out PATH]`. The attention process (this one)
-opens an `AttentionChannel` per transport to an FFN process (`FFNChannel`, spawned)
-that answers each layer with its input (no compute: the FFN copies the A2F rows out
-of the transport into a `[T, H]` buffer and sends that buffer back). A step is one
+opens an `AttentionChannel` per transport to a spawned loopback FFN
+(`afd_ray.connector.loopback`) that answers each layer with its input (no compute: the
+FFN copies the A2F rows out of the transport into a `[T, H]` buffer and sends that
+buffer back). A step is one
 STEP header and `layers` exchanges, as in serving; the figure is the median over
 steps of (step time / layers), in microseconds. Before timing, one step checks that
 every layer's answer equals what was sent (bit for bit).
@@ -21,15 +22,16 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
 
-from afd_ray.connector.channel import AttentionChannel, FFNAddress, FFNChannel
-from afd_ray.connector.header import HeaderKind
-from afd_ray.connector.link import Transport
+from afd_ray.connector.channel import AttentionChannel
+from afd_ray.connector.header import FFNAddress
+from afd_ray.connector.loopback import Answer, serve_loopback_ffn
+from afd_ray.connector.transports import Transport
 
 __all__ = ["measure", "run"]
 
@@ -37,34 +39,13 @@ CPU_TRANSPORTS: tuple[Transport, ...] = ("shm", "gloo")
 _TIMEOUT_S = 60.0
 
 
-def _ffn(queue: mp.Queue, hidden_size: int, layers: int, threads: int, compute: bool) -> None:
-    """FFN process: admit each peer, answer every layer of every step (its input, or
-    with `compute` a SmolLM2-sized gated MLP of it), until idle."""
-    torch.set_num_threads(threads)
-    mlp = _mlp(hidden_size) if compute else None
-    channel = FFNChannel("127.0.0.1", "gloo", _TIMEOUT_S)
-    queue.put(channel.address)
-    buffers: dict[int, torch.Tensor] = {}
-    while (header := channel.recv_header(_TIMEOUT_S)) is not None:
-        if header.kind is HeaderKind.JOIN:
-            channel.admit(header.peer)
-        elif header.kind is HeaderKind.LEAVE:
-            channel.remove(header.peer)
-        else:
-            rows = buffers.setdefault(header.num_tokens, torch.empty(header.num_tokens, hidden_size))
-            for _ in range(layers):
-                x = channel.recv_a2f(header.peer, rows)
-                channel.send_f2a(header.peer, x if mlp is None else mlp(x))
-    channel.close()
-
-
-def _mlp(hidden_size: int, intermediate: int = 1536) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A gated MLP of SmolLM2-135M's size (H=576, I=1536), random float32 weights:
-    `[T, H] -> [T, H]`."""
+def _mlp(hidden_size: int, intermediate: int = 1536) -> Answer:
+    """The loopback FFN's answer with `compute`: a gated MLP of SmolLM2-135M's size
+    (H=576, I=1536), random float32 weights, `[T, H] -> [T, H]` for every layer."""
     gate_up = torch.randn(2 * intermediate, hidden_size) / hidden_size**0.5
     down = torch.randn(hidden_size, intermediate) / intermediate**0.5
 
-    def mlp(x: torch.Tensor) -> torch.Tensor:
+    def mlp(layer: int, x: torch.Tensor) -> torch.Tensor:
         gate, up = (x @ gate_up.T).chunk(2, dim=-1)  # [T, I] each
         return (torch.nn.functional.silu(gate) * up) @ down.T  # [T, H]
 
@@ -72,7 +53,13 @@ def _mlp(hidden_size: int, intermediate: int = 1536) -> Callable[[torch.Tensor],
 
 
 def measure(
-    address: FFNAddress, transport: Transport, peer: int, tokens: int, hidden_size: int, layers: int, steps: int,
+    address: FFNAddress,
+    transport: Transport,
+    peer: int,
+    tokens: int,
+    hidden_size: int,
+    layers: int,
+    steps: int,
     compute: bool = False,
 ) -> tuple[float, float]:
     """Median wall time per layer (µs) of `steps` steps of `layers` exchanges of
@@ -127,7 +114,12 @@ def run(
     torch.set_num_threads(threads)
     context = mp.get_context("spawn")
     queue = context.Queue()
-    ffn = context.Process(target=_ffn, args=(queue, hidden_size, layers, threads, compute), daemon=True)
+    ffn = context.Process(
+        target=serve_loopback_ffn,
+        args=(queue, "gloo", hidden_size, layers, _TIMEOUT_S),
+        kwargs={"make_answer": partial(_mlp, hidden_size) if compute else None, "threads": threads},
+        daemon=True,
+    )
     ffn.start()
     try:
         address = queue.get(timeout=_TIMEOUT_S)

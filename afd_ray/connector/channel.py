@@ -12,10 +12,11 @@ on it with a poll timeout, so an idle FFN rank never blocks in a collective and
 
 Data plane: each attention↔FFN pair rendezvouses through the FFN rank's `TCPStore`
 under the prefix `afd/pair/<peer>/<epoch>`, where the attention side first writes its
-transport. `shm` (same host): shared-memory slots and a Unix-socket wake-up
-(`afd_ray.connector.shm`). `gloo`/`nccl`/`hccl`: a 2-rank stateless process group
-(FFN rank 0, attention rank 1) from `new_process_group`. It carries only tensors, in
-the order fixed by the header: for each FFN layer, A2F then F2A.
+transport, and opens a `Pair` (`afd_ray.connector.pair`) of it: `shm` (same host):
+shared-memory slots and a Unix-socket wake-up (`afd_ray.connector.shm`);
+`gloo`/`nccl`/`hccl`: 2-rank stateless process groups (`afd_ray.connector.group_pair`);
+`cuda_ipc` (GPUs of one node): `afd_ray.connector.cuda_ipc`. It carries only tensors,
+in the order fixed by the header: for each FFN layer, A2F then F2A.
 
 Protocol rules (why it cannot deadlock with one FFN peer per attention rank):
 1. An attention rank writes its transport to the store, sends JOIN, then opens its
@@ -40,167 +41,54 @@ Protocol rules (why it cannot deadlock with one FFN peer per attention rank):
 Release on `close()`: the FFN waits for headers with a poll timeout, so stopping the
 loop releases it within one poll. Data-plane waits end at once on `close()`: `shm`
 shuts its socket down; gloo times out a receive nobody answers, which makes gloo
-close the pair's TCP connection and fail every wait on it (`_GroupPair.close`), and
+close the pair's TCP connection and fail every wait on it (`GroupPair.close`), and
 the peer sees the connection closed at once. Either way the error is
 `PeerLostError` "pair closed", and nothing is written into a receive's buffer after
 `close()` returned. NCCL/HCCL waits end when their peer closes or at `timeout_s`.
 
-CUDA (`nccl`): every data-plane call returns at once on the host; it is queued on the
-pair group's NCCL stream after the work already queued on the caller's current CUDA
-stream, and `Work.wait()` makes the caller's current stream wait for it (no host wait).
-The `isend_*`/`irecv_*` variants return it as a `Pending` so that a caller can overlap it with
-compute, and can be captured in a CUDA graph (after one eager call has created the NCCL
-communicator); headers stay on the ZeroMQ socket, outside any graph. A pair may open
-`ubatch_groups` > 1 process groups, one per micro-batch (DBO;
-`tests/connector/test_ubatch.py` runs a two-ubatch schedule over them): each has its
-own NCCL stream, so the transfers of one ubatch never queue behind those of the
-other. The ops of one group run in order on one stream, so a receive queued
-before a send of the same group deadlocks on NCCL: send A2F first, then receive F2A.
+CUDA (`nccl`, `cuda_ipc`): every data-plane call returns at once on the host, queued
+after the work on the caller's current CUDA stream (`afd_ray.connector.group_pair`).
+The `isend_*`/`irecv_*` variants return it as a `Pending` so that a caller can overlap
+it with compute, and can be captured in a CUDA graph (after one eager call has created
+the NCCL communicator); headers stay on the ZeroMQ socket, outside any graph. A pair
+may open `ubatch_groups` > 1 data planes, one per micro-batch (DBO;
+`tests/connector/test_ubatch.py` runs a two-ubatch schedule over them): with NCCL each
+has its own stream, so the transfers of one ubatch never queue behind the other's.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import timedelta
-from typing import Literal
 
 import torch
 import torch.distributed as dist
 import zmq
 
-from afd_ray.connector.header import HeaderKind, StepHeader
-from afd_ray.connector.link import PeerLostError, Pending, Transport, check_transport, contiguous
-from afd_ray.connector.process_group import new_process_group
-from afd_ray.connector.cuda_ipc import CudaIpcPair, open_cuda_ipc_pair
-from afd_ray.connector.shm import ShmPair, open_shm_pair
+from afd_ray.connector.cuda_ipc import open_cuda_ipc_pair
+from afd_ray.connector.group_pair import open_group_pair
+from afd_ray.connector.header import FFNAddress, HeaderKind, StepHeader
+from afd_ray.connector.link import PeerLostError
+from afd_ray.connector.pair import Pair, Pending, Side
+from afd_ray.connector.shm import open_shm_pair
+from afd_ray.connector.transports import Transport, check_transport
 from afd_ray.platform import Backend
 
-__all__ = ["AttentionChannel", "FFNAddress", "FFNChannel"]
+__all__ = ["AttentionChannel", "FFNChannel"]
 
 logger = logging.getLogger(__name__)
 
 _LEAVE_LINGER_MS = 1000
 """How long closing an attention channel waits for its LEAVE to leave the socket."""
-_A2F_TAGS = (1, 3, 4)
-"""Process-group tags of the A2F tensors: hidden states, top-k ids, top-k weights."""
-_F2A_TAGS = (2,)
-_CLOSE_TAG = 5
-"""Tag of the receive whose timeout closes a gloo pair (`_GroupPair.close`); never sent."""
-_CLOSE_WAIT = timedelta(milliseconds=1)
-"""How long closing waits on that receive; its timeout is what closes the pair."""
 _TRANSPORT_KEY = "transport"
 """Pair-store key under which the attention side announces its transport."""
-
-Side = Literal["attention", "ffn"]
-
-
-@dataclass(frozen=True)
-class FFNAddress:
-    """Where attention peers reach one FFN rank (published through the coordinator)."""
-
-    host: str
-    store_port: int
-    """Port of the FFN rank's `TCPStore` (pair-group rendezvous)."""
-    control_port: int
-    """Port of the FFN rank's header socket."""
-    node: str = ""
-    """Ray node id of the FFN rank ("" outside Ray); `auto` picks a same-node
-    transport for attention peers on the same node."""
 
 
 def _pair_store(store: dist.Store, peer: int, epoch: int) -> dist.Store:
     return dist.PrefixStore(f"afd/pair/{peer}/{epoch}", store)
 
 
-class _Works:
-    """`Pending` over process-group `Work`s; failures become `PeerLostError` ("pair
-    closed" once the pair was closed, before or during the wait)."""
-
-    def __init__(self, works: list[dist.Work], pair: _GroupPair) -> None:
-        self._works, self._pair = works, pair
-
-    def wait(self) -> None:
-        try:
-            for work in self._works:
-                work.wait()
-        except RuntimeError as exc:
-            raise self._pair.lost(exc) from exc
-
-
-class _GroupPair:
-    """A pair's data plane over process groups (gloo/nccl/hccl), one per ubatch."""
-
-    def __init__(self, side: Side, groups: list[dist.ProcessGroup], peer: int, backend: Backend) -> None:
-        self._groups, self._peer, self._backend = groups, peer, backend
-        self._other = 0 if side == "attention" else 1
-        self._send_tags, self._recv_tags = (_A2F_TAGS, _F2A_TAGS) if side == "attention" else (_F2A_TAGS, _A2F_TAGS)
-        self._closed = False
-
-    def send(self, tensors: Sequence[torch.Tensor], ubatch: int) -> _Works:
-        contiguous(tensors)
-        group = self._open(ubatch)
-        try:
-            return _Works([group.send([t], self._other, tag) for t, tag in zip(tensors, self._send_tags)], self)
-        except RuntimeError as exc:
-            raise self.lost(exc) from exc
-
-    def recv(self, outs: Sequence[torch.Tensor], ubatch: int) -> _Works:
-        contiguous(outs)
-        group = self._open(ubatch)
-        try:
-            return _Works([group.recv([t], self._other, tag) for t, tag in zip(outs, self._recv_tags)], self)
-        except RuntimeError as exc:
-            raise self.lost(exc) from exc
-
-    def exchange(self, sends: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], ubatch: int) -> None:
-        """Sends then the answer. With gloo the receive is posted first, so the FFN
-        never waits on us; with NCCL it is queued after the sends (one stream)."""
-        if self._backend == "gloo":
-            recv = self.recv(outs, ubatch)
-            self.send(sends, ubatch).wait()
-            recv.wait()
-            return
-        self.send(sends, ubatch).wait()
-        self.recv(outs, ubatch).wait()
-
-    def lost(self, exc: RuntimeError) -> PeerLostError:
-        """The error of a failed call or wait: "pair closed" once `close()` ran (it
-        fails the waits it releases), else the backend's reason."""
-        return PeerLostError(self._peer, "pair closed" if self._closed else str(exc))
-
-    def _open(self, ubatch: int) -> dist.ProcessGroup:
-        if self._closed:
-            raise PeerLostError(self._peer, "pair closed")
-        return self._groups[ubatch]
-
-    def close(self) -> None:
-        """Close the pair's connections and release every wait on them, also one
-        blocked in another thread; every call and wait afterwards fails with
-        `PeerLostError` "pair closed". Idempotent.
-
-        gloo has no call that cancels a posted receive (`abort()`/`shutdown()` leave
-        it waiting, and data arriving later is still written into its buffer), but a
-        wait that times out closes its TCP pair (gloo's "Application timeout caused
-        pair closure"), which fails every other wait on that pair at once and shows
-        the peer a closed connection: so closing waits 1 ms on a receive of a tag
-        nobody sends. The pair's buffers are never written afterwards."""
-        if self._closed:
-            return
-        self._closed = True
-        for group in self._groups:
-            if self._backend == "gloo":
-                try:
-                    group.recv([torch.empty(1, dtype=torch.uint8)], self._other, _CLOSE_TAG).wait(_CLOSE_WAIT)
-                except RuntimeError:
-                    pass  # the expected timeout, or the pair was closed already (the peer closed or died)
-            group.shutdown()
-
-
-def _open_pair(
-    transport: str, store: dist.Store, side: Side, peer: int, timeout_s: float, ubatches: int
-) -> ShmPair | CudaIpcPair | _GroupPair:
+def _open_pair(transport: str, store: dist.Store, side: Side, peer: int, timeout_s: float, ubatches: int) -> Pair:
     """One side of a pair's data plane; blocks until the other side opened its own.
 
     Raises:
@@ -218,15 +106,7 @@ def _open_pair(
             raise PeerLostError(peer, f"cuda_ipc rendezvous failed ({exc})") from exc
     if transport not in ("gloo", "nccl", "hccl"):
         raise ValueError(f"connector.transport: {transport!r} is not implemented")
-    rank = 1 if side == "attention" else 0
-    try:
-        groups = [
-            new_process_group(transport, dist.PrefixStore(f"ubatch{u}", store), rank, 2, timeout_s)
-            for u in range(ubatches)
-        ]
-    except RuntimeError as exc:  # DistStoreError included
-        raise PeerLostError(peer, f"{transport} rendezvous failed ({exc})") from exc
-    return _GroupPair(side, groups, peer, transport)
+    return open_group_pair(side, store, peer, ubatches, timeout_s, transport)
 
 
 class AttentionChannel:
@@ -236,7 +116,7 @@ class AttentionChannel:
         address: the FFN peer.
         peer: this attention rank's id.
         epoch: membership epoch of the assignment.
-        transport: the pair's data plane: `shm` | `gloo` | `nccl` | `hccl`.
+        transport: the pair's data plane: `shm` | `gloo` | `nccl` | `hccl` | `cuda_ipc`.
         timeout_s: bound on rendezvous and on every receive, seconds.
         ubatch_groups: data planes per pair, one per micro-batch (DBO); the FFN side
             must open as many.
@@ -263,7 +143,9 @@ class AttentionChannel:
         self.transport = transport
         self._step_id = 0
         self._store = dist.TCPStore(
-            address.host, address.store_port, is_master=False,
+            address.host,
+            address.store_port,
+            is_master=False,
             timeout=timedelta(seconds=timeout_s),
         )
         self._zmq = zmq.Context()
@@ -358,7 +240,12 @@ class FFNChannel:
     """
 
     def __init__(
-        self, host: str, backend: Backend, timeout_s: float, epoch: int = 0, ubatch_groups: int = 1,
+        self,
+        host: str,
+        backend: Backend,
+        timeout_s: float,
+        epoch: int = 0,
+        ubatch_groups: int = 1,
         node: str = "",
     ) -> None:
         if ubatch_groups < 1:
@@ -368,7 +255,10 @@ class FFNChannel:
         self._backend = backend
         self._timeout_s = timeout_s
         self._store = dist.TCPStore(
-            host, 0, is_master=True, wait_for_workers=False,
+            host,
+            0,
+            is_master=True,
+            wait_for_workers=False,
             timeout=timedelta(seconds=timeout_s),
         )
         self._zmq = zmq.Context()
@@ -376,7 +266,7 @@ class FFNChannel:
         self._pull.setsockopt(zmq.LINGER, 0)
         control_port = self._pull.bind_to_random_port(f"tcp://{host}")
         self.address = FFNAddress(host, self._store.port, control_port, node)
-        self._pairs: dict[int, ShmPair | _GroupPair] = {}
+        self._pairs: dict[int, Pair] = {}
         self._transports: dict[int, Transport] = {}
         self._peer_epochs: dict[int, int] = {}
         """Epoch of each peer's latest JOIN read (rule 4)."""

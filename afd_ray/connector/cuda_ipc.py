@@ -69,15 +69,15 @@ import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Literal
 
 import torch
 import torch.distributed as dist
 import torch.distributed._symmetric_memory as symm_mem
 
 from afd_ray.compat import allow_symm_mem_shared_device
+from afd_ray.connector.pair import Done, Side
 from afd_ray.connector.process_group import registered_gloo_group, unregister_group
-from afd_ray.platform import pooled_stream_other_than
+from afd_ray.devices import pooled_stream_other_than
 
 __all__ = ["SLOT_BYTES", "CudaIpcPair", "open_cuda_ipc_pair"]
 
@@ -88,22 +88,13 @@ output `[T, 2, H]` (`afd_ray.connector.link`) up to T = 8192 at H = 2048."""
 _ALIGN = 16
 _BARRIER_CHANNEL = 0
 
-Side = Literal["attention", "ffn"]
-
-
-class _Done:
-    """A `Pending` whose work is already queued on the current CUDA stream."""
-
-    def wait(self) -> None:
-        return None
-
 
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
 
 class CudaIpcPair:
-    """One side of a pair's CUDA-IPC data plane (built by `open_cuda_ipc_pair`).
+    """One side of a pair's CUDA-IPC data plane, a `Pair` (built by `open_cuda_ipc_pair`).
 
     Args:
         side: `attention` or `ffn`.
@@ -216,7 +207,7 @@ class CudaIpcPair:
             offset = _aligned(offset + nbytes)
         return views
 
-    def send(self, tensors: Sequence[torch.Tensor], ubatch: int) -> _Done:
+    def send(self, tensors: Sequence[torch.Tensor], ubatch: int) -> Done:
         """Queue the message `tensors` (contiguous, on this device) to the peer's slot of
         `ubatch`, then its flag; the tensors may be changed once later work on the
         current stream runs.
@@ -228,16 +219,16 @@ class CudaIpcPair:
         for view, tensor in zip(self._views(self._slot(self._peer_buffer, direction, ubatch), tensors), tensors):
             view.copy_(tensor)
         self._handle.put_signal(self._peer, self._channel(direction, ubatch), self.timeout_ms)
-        return _Done()
+        return Done()
 
-    def recv(self, outs: Sequence[torch.Tensor], ubatch: int) -> _Done:
+    def recv(self, outs: Sequence[torch.Tensor], ubatch: int) -> Done:
         """Queue the wait for the peer's message on `ubatch` and the copies into `outs`
         (contiguous, exact shapes and dtypes of what the peer sends)."""
         direction = 1 - self._send_direction
         self._handle.wait_signal(self._peer, self._channel(direction, ubatch), self.timeout_ms)
         for view, out in zip(self._views(self._slot(self._buffer, direction, ubatch), outs), outs):
             out.copy_(view)
-        return _Done()
+        return Done()
 
     def exchange(self, sends: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], ubatch: int) -> None:
         """`send(sends)` then `recv(outs)` on `ubatch` (the attention side's layer)."""

@@ -1,7 +1,9 @@
-"""Control-plane messages between an attention rank and its FFN peer.
+"""The control plane between an attention rank and its FFN peer: where the FFN rank
+is reached (`FFNAddress`), and the messages it reads there (`StepHeader`).
 
 The control plane carries only these fixed-size headers (40 bytes); the data plane
-carries only tensors, in an order both sides derive from the header.
+carries only tensors, in an order both sides derive from the header. No torch and no
+ZeroMQ: the membership records (`afd_ray.control.membership`) carry the address.
 """
 
 from __future__ import annotations
@@ -10,9 +12,23 @@ import struct
 from dataclasses import dataclass
 from enum import IntEnum
 
-__all__ = ["HeaderKind", "StepHeader"]
+__all__ = ["FFNAddress", "HeaderKind", "StepHeader"]
 
 _WIRE = struct.Struct("<4q2i")
+
+
+@dataclass(frozen=True)
+class FFNAddress:
+    """Where attention peers reach one FFN rank (published through the coordinator)."""
+
+    host: str
+    store_port: int
+    """Port of the FFN rank's `TCPStore` (pair rendezvous)."""
+    control_port: int
+    """Port of the FFN rank's header socket."""
+    node: str = ""
+    """Ray node id of the FFN rank ("" outside Ray); `auto` picks a same-node
+    transport for attention peers on the same node."""
 
 
 class HeaderKind(IntEnum):

@@ -25,7 +25,7 @@ opened with more), strictly in this order on each ubatch:
 
 Which MoE layers split is fixed for the life of a pair by the checkpoint and the
 attention engines' mode, and both sides derive it from them the same way
-(`afd_ray.ffn.family.MoEShape.split_output`: torch.compile'd engines, layers with
+(`afd_ray.layers.spec.MoEShape.split_output`: torch.compile'd engines, layers with
 shared experts or a routed scaling factor; P = 2 with shared experts, else 1); the
 attention side finishes the sum (`afd_ray.attention.models.base.combine_moe_parts`).
 The receiver's `out` has the shape it expects; transports move bytes and check only
@@ -57,7 +57,8 @@ Errors, the same for every transport:
   `PeerLostError` "pair closed"; NCCL/HCCL receives end when their peer closes or at
   `timeout_s`, see `afd_ray.connector.channel`).
 
-Transports (`Transport`), picked per pair by `select_transport`:
+Transports (`Transport`), picked per pair by
+`afd_ray.connector.transports.select_transport`:
 - `shm`: both processes on one host, CPU tensors: shared-memory slots plus a Unix
   socket wake-up (`afd_ray.connector.shm`).
 - `gloo`: CPU tensors across hosts (a TCP pair process group).
@@ -66,40 +67,23 @@ Transports (`Transport`), picked per pair by `select_transport`:
   slots written through CUDA IPC mappings and device-side flags
   (`afd_ray.connector.cuda_ipc`); every call is queued on the current CUDA stream,
   `Pending.wait()` has nothing left to do, and a step can be captured in a CUDA graph.
+
+Each transport implements the data plane of one pair, `afd_ray.connector.pair.Pair`;
+`afd_ray.connector.channel` builds both roles over it and the shared control plane.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from afd_ray.connector.header import StepHeader
-from afd_ray.platform import Backend
+from afd_ray.connector.pair import Pending
+from afd_ray.connector.transports import Transport
 
-__all__ = [
-    "AttentionLink",
-    "FFNLink",
-    "PeerLostError",
-    "Pending",
-    "Transport",
-    "TransportChoice",
-    "select_transport",
-]
-
-Transport = Literal["shm", "gloo", "nccl", "hccl", "cuda_ipc"]
-"""How the data plane of one pair moves tensors."""
-TransportChoice = Literal["auto", "shm", "gloo", "nccl", "hccl", "cuda_ipc"]
-"""`ConnectorConfig.transport`: a transport, or `auto` (picked per pair)."""
-
-_SAME_NODE: dict[Backend, Transport] = {"gloo": "shm", "nccl": "cuda_ipc", "hccl": "hccl"}
-"""Transport `auto` picks for a pair on one Ray node, by collective backend."""
-_ALLOWED: dict[Backend, frozenset[str]] = {
-    "gloo": frozenset({"shm", "gloo"}),
-    "nccl": frozenset({"nccl", "cuda_ipc"}),
-    "hccl": frozenset({"hccl"}),
-}
+__all__ = ["AttentionLink", "FFNLink", "PeerLostError", "contiguous"]
 
 
 class PeerLostError(RuntimeError):
@@ -113,18 +97,6 @@ class PeerLostError(RuntimeError):
     def __init__(self, peer: int, reason: str) -> None:
         super().__init__(f"pair with attention rank {peer}: {reason}")
         self.peer = peer
-
-
-class Pending(Protocol):
-    """Work queued on a link (a send or a receive)."""
-
-    def wait(self) -> None:
-        """Block until the work is done (bounded by the link's `timeout_s`). On CUDA
-        transports the wait may be queued on the current stream instead of the host.
-
-        Raises:
-            PeerLostError: the peer is gone.
-        """
 
 
 @runtime_checkable
@@ -247,40 +219,6 @@ class FFNLink(Protocol):
 
     def close(self) -> None:
         """Close every pair and the header socket."""
-
-
-def select_transport(choice: TransportChoice, backend: Backend, same_node: bool) -> Transport:
-    """The data plane of one pair.
-
-    Args:
-        choice: `ConnectorConfig.transport`.
-        backend: the platform's collective backend (`gloo` | `nccl` | `hccl`).
-        same_node: both members of the pair run on one Ray node.
-
-    Returns:
-        `choice` unless it is `auto`; `auto` gives the same-node transport of the
-        backend (`shm` for CPU) on one node, else the backend itself.
-
-    Raises:
-        ValueError: `choice` cannot carry the backend's tensors (e.g. `shm` on CUDA),
-            naming the field.
-    """
-    if backend not in _ALLOWED:
-        raise ValueError(f"connector backend: unknown {backend!r}; expected gloo, nccl or hccl")
-    if choice == "auto":
-        return _SAME_NODE[backend] if same_node else backend  # type: ignore[return-value]
-    check_transport(choice, backend)
-    return choice
-
-
-def check_transport(transport: str, backend: Backend, field: str | None = "connector.transport") -> None:
-    """Raise ValueError unless `transport` carries the tensors of `backend`'s device;
-    the message starts with `field` (None: a pydantic field validator's error already
-    names its field)."""
-    allowed = sorted(_ALLOWED.get(backend, ()))
-    if transport not in allowed:
-        named = "" if field is None else f"{field}: "
-        raise ValueError(f"{named}{transport!r} cannot carry {backend} tensors; use auto or one of {allowed}")
 
 
 def contiguous(tensors: Sequence[torch.Tensor]) -> None:

@@ -35,12 +35,12 @@ import os
 import socket
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from typing import Literal
 
 import torch
 import torch.distributed as dist
 
 from afd_ray.connector.link import PeerLostError, contiguous
+from afd_ray.connector.pair import Done, Side
 
 __all__ = ["SLOT_BYTES", "ShmPair", "open_shm_pair"]
 
@@ -51,15 +51,6 @@ file's pages are allocated only when touched."""
 _MSG = b"M"
 _ACK = b"A"
 _SOCKET_KEY = "shm/socket"
-
-Side = Literal["attention", "ffn"]
-
-
-class _Done:
-    """A `Pending` whose work already happened."""
-
-    def wait(self) -> None:
-        return None
 
 
 class _Receive:
@@ -76,7 +67,7 @@ class _Receive:
 
 
 class ShmPair:
-    """One side of a pair's shared-memory data plane (built by `open_shm_pair`).
+    """One side of a pair's shared-memory data plane, a `Pair` (built by `open_shm_pair`).
 
     Args:
         side: `attention` (sends A2F, receives F2A) or `ffn` (the reverse).
@@ -88,8 +79,13 @@ class ShmPair:
     """
 
     def __init__(
-        self, side: Side, socks: list[socket.socket], region: torch.Tensor, slot_bytes: int,
-        peer: int, timeout_s: float,
+        self,
+        side: Side,
+        socks: list[socket.socket],
+        region: torch.Tensor,
+        slot_bytes: int,
+        peer: int,
+        timeout_s: float,
     ) -> None:
         self._socks = socks
         self._peer = peer
@@ -102,7 +98,7 @@ class ShmPair:
         self._timeout_s = timeout_s
         self._closed = False
 
-    def send(self, tensors: Sequence[torch.Tensor], ubatch: int) -> _Done:
+    def send(self, tensors: Sequence[torch.Tensor], ubatch: int) -> Done:
         """Copy `tensors` (contiguous, any dtype) into this side's slot of `ubatch`
         and wake the peer; done on return (chunks wait for the peer's acks).
 
@@ -114,7 +110,7 @@ class ShmPair:
         for data, room in _pieces(tensors, slot, lambda: self._hand_over(sock, _MSG, _ACK)):
             room.copy_(data)
         self._signal(sock, _MSG)
-        return _Done()
+        return Done()
 
     def recv(self, outs: Sequence[torch.Tensor], ubatch: int) -> _Receive:
         """A receive of `ubatch`'s next message into `outs` (contiguous, the shapes
@@ -267,9 +263,7 @@ def _open_attention(
     return ShmPair("attention", socks, region, slot_bytes, peer, timeout_s)
 
 
-def _open_ffn(
-    store: dist.Store, peer: int, ubatches: int, timeout_s: float, slot_bytes: int, nbytes: int
-) -> ShmPair:
+def _open_ffn(store: dist.Store, peer: int, ubatches: int, timeout_s: float, slot_bytes: int, nbytes: int) -> ShmPair:
     store.wait([_SOCKET_KEY])
     name = store.get(_SOCKET_KEY).decode()
     socks = []

@@ -2,8 +2,9 @@
 
 `measure_link` opens one attention↔FFN pair of the connector that serves
 (`afd_ray.connector.channel`: ZeroMQ step header, then per layer an A2F `[T, H]` and
-an F2A `[T, H]` on the pair's process group) between this process and a spawned echo
-process, times layer round trips for several token counts T, and fits
+an F2A `[T, H]` on the pair's process group) between this process and a spawned
+loopback FFN (`afd_ray.connector.loopback`, echoing each layer), times layer round
+trips for several token counts T, and fits
 
     round_trip(T) = 2 × latency + 2 × T × H × bytes_per_elem / bandwidth
 
@@ -20,28 +21,14 @@ from collections.abc import Sequence
 
 import torch
 
-from afd_ray.connector.channel import AttentionChannel, FFNChannel
+from afd_ray.connector.channel import AttentionChannel
+from afd_ray.connector.loopback import serve_loopback_ffn
 from afd_ray.plan.schema import Link
 from afd_ray.platform import Backend
 
 __all__ = ["fit_link", "measure_link"]
 
 _TIMEOUT_S = 60.0
-
-
-def _echo(queue: mp.Queue, backend: Backend, hidden: int, dtype: torch.dtype, rounds: int, sizes: Sequence[int]) -> None:
-    channel = FFNChannel("127.0.0.1", backend, _TIMEOUT_S)
-    queue.put(channel.address)
-    try:
-        header = channel.recv_header(_TIMEOUT_S)
-        channel.admit(header.peer)
-        for tokens in sizes:
-            buffer = torch.empty(tokens, hidden, dtype=dtype)
-            for _ in range(rounds):
-                channel.recv_a2f(header.peer, buffer)
-                channel.send_f2a(header.peer, buffer)
-    finally:
-        channel.close()
 
 
 def fit_link(tokens: Sequence[int], round_trip_s: Sequence[float], row_bytes: int, source: str) -> Link:
@@ -66,7 +53,11 @@ def fit_link(tokens: Sequence[int], round_trip_s: Sequence[float], row_bytes: in
 
 
 def measure_link(
-    hidden: int, dtype: torch.dtype, backend: Backend = "gloo", sizes: Sequence[int] = (1, 64, 512, 4096), rounds: int = 50
+    hidden: int,
+    dtype: torch.dtype,
+    backend: Backend = "gloo",
+    sizes: Sequence[int] = (1, 64, 512, 4096),
+    rounds: int = 50,
 ) -> Link:
     """Measure the connector's layer round trip for each `sizes` token count and fit a
     `Link` (latency per message, bandwidth). Takes about a second on CPU.
@@ -76,7 +67,12 @@ def measure_link(
     """
     context = mp.get_context("spawn")
     queue = context.Queue()
-    echo = context.Process(target=_echo, args=(queue, backend, hidden, dtype, rounds, tuple(sizes)), daemon=True)
+    echo = context.Process(
+        target=serve_loopback_ffn,
+        args=(queue, backend, hidden, rounds, _TIMEOUT_S),
+        kwargs={"dtype": dtype, "peers": 1},  # one step of `rounds` layers per size, then it exits on our LEAVE
+        daemon=True,
+    )
     echo.start()
     channel = AttentionChannel(queue.get(timeout=_TIMEOUT_S), 0, 0, backend, _TIMEOUT_S)
     medians = []
@@ -85,6 +81,7 @@ def measure_link(
             hidden_states = torch.randn(tokens, hidden).to(dtype)
             out = torch.empty_like(hidden_states)
             times = []
+            channel.send_header(tokens)  # one step of `rounds` layers
             for _ in range(rounds):
                 start = time.perf_counter()
                 channel.exchange(hidden_states, out=out)

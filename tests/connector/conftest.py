@@ -10,6 +10,7 @@ import pytest
 from afd_ray.connector.channel import AttentionChannel, FFNChannel
 from afd_ray.connector.header import HeaderKind, StepHeader
 
+
 @pytest.fixture(params=["gloo", "shm"])
 def transport(request: pytest.FixtureRequest) -> str:
     """Every test that takes it runs over each CPU transport of the connector contract."""

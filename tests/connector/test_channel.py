@@ -13,9 +13,10 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from afd_ray.connector.channel import AttentionChannel, FFNAddress, FFNChannel
-from afd_ray.connector.header import HeaderKind, StepHeader
+from afd_ray.connector.channel import AttentionChannel, FFNChannel
+from afd_ray.connector.header import FFNAddress, HeaderKind, StepHeader
 from afd_ray.connector.link import PeerLostError
+from afd_ray.connector.loopback import LoopbackFFN
 
 H = 8
 
@@ -31,13 +32,13 @@ def test_steps_of_varying_size_return_the_ffn_output(transport: str, open_pair: 
     ffn = FFNChannel("127.0.0.1", "gloo", timeout_s=10)
     attention = open_pair(ffn, 5, transport)
     sizes = [1, 7, 64, 3]
+    loopback = LoopbackFFN(ffn, H, layers=1, answer=lambda layer, x: 2 * x + 1)
 
     def serve() -> None:
         for _ in sizes:
             header = ffn.recv_header(10)
             assert header.kind is HeaderKind.STEP and header.peer == 5
-            x = ffn.recv_a2f(header.peer, torch.empty(header.num_tokens, H))
-            ffn.send_f2a(header.peer, 2 * x + 1)
+            loopback.serve_step(header)
 
     server = threading.Thread(target=serve)
     server.start()

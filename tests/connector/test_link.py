@@ -13,9 +13,11 @@ import torch
 from pydantic import ValidationError
 
 from afd_ray.config import AFDConfig
-from afd_ray.connector.channel import AttentionChannel, FFNAddress, FFNChannel
-from afd_ray.connector.header import HeaderKind, StepHeader
-from afd_ray.connector.link import AttentionLink, FFNLink, PeerLostError, select_transport
+from afd_ray.connector.channel import AttentionChannel, FFNChannel
+from afd_ray.connector.header import FFNAddress, HeaderKind, StepHeader
+from afd_ray.connector.link import AttentionLink, FFNLink, PeerLostError
+from afd_ray.connector.loopback import LoopbackFFN
+from afd_ray.connector.transports import select_transport
 from afd_ray.control.registry import Registry
 
 
@@ -71,19 +73,14 @@ def test_channels_implement_the_contract_and_carry_prefill_sized_steps(
     ids = torch.randint(0, 8, (tokens, k))
     weights = torch.rand(tokens, k)
 
-    def serve() -> None:
-        header = ffn.recv_header(10)
-        got = torch.empty(header.num_tokens, hidden_size)
-        got_ids, got_weights = torch.empty_like(ids), torch.empty_like(weights)
-        ffn.recv_a2f(header.peer, got, (got_ids, got_weights))
-        assert torch.equal(got_ids, ids) and torch.equal(got_weights, weights)
-        ffn.send_f2a(header.peer, got * 2)
-
-    server = threading.Thread(target=serve)
+    loopback = LoopbackFFN(ffn, hidden_size, layers=1, answer=lambda layer, got: got * 2, top_k=k)
+    server = threading.Thread(target=lambda: loopback.serve_step(ffn.recv_header(10)))
     server.start()
     attention.send_header(tokens)
     assert torch.equal(attention.exchange(x, (ids, weights)), x * 2)
     server.join(10)
+    assert not server.is_alive() and loopback.topk is not None
+    assert torch.equal(loopback.topk[0], ids) and torch.equal(loopback.topk[1], weights)
     attention.close()
     ffn.close()
 

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from afd_ray.connector.channel import AttentionChannel, FFNChannel
-from afd_ray.connector.link import AttentionLink, FFNLink, Pending
+from afd_ray.connector.link import AttentionLink, FFNLink
+from afd_ray.connector.loopback import LoopbackFFN
+from afd_ray.connector.pair import Pending
 
 H = 8
 LAYERS = 3
@@ -50,16 +52,12 @@ def _step(x: torch.Tensor, ubatches: int, link: AttentionLink | None) -> torch.T
     return residual
 
 
-def _serve(ffn: FFNLink, peer: int, ubatches: int, errors: list[BaseException]) -> None:
+def _serve(ffn: FFNLink, ubatches: int, errors: list[BaseException]) -> None:
     """The FFN side of one step: per layer and ubatch, receive, compute, send back."""
     try:
         header = ffn.recv_header(10)
-        slices = _halves(header.num_tokens, ubatches)
-        for layer in range(LAYERS):
-            for u, rows in enumerate(slices):
-                got = torch.empty(rows.stop - rows.start, H)
-                ffn.irecv_a2f(peer, got, u).wait()
-                ffn.isend_f2a(peer, _ffn(layer, got), u).wait()
+        rows = [s.stop - s.start for s in _halves(header.num_tokens, ubatches)]
+        LoopbackFFN(ffn, H, LAYERS, answer=_ffn).serve_step(header, rows)
     except BaseException as exc:
         errors.append(exc)
 
@@ -71,7 +69,7 @@ def test_dbo_schedule_over_one_pair_per_ubatch_matches_the_colocated_step(
     attention = open_pair(ffn, 0, transport, ubatch_groups=2)
     for tokens, ubatches in ((7, 2), (1, 1), (16, 2)):  # DBO on, off, on over the same pair
         errors: list[BaseException] = []
-        server = threading.Thread(target=_serve, args=(ffn, 0, ubatches, errors))
+        server = threading.Thread(target=_serve, args=(ffn, ubatches, errors))
         server.start()
         x = torch.randn(tokens, H)
         attention.send_header(tokens)
