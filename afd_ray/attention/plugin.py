@@ -6,21 +6,22 @@ the out-of-tree architectures resolve in the worker that builds the model.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 
 from transformers import AutoConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from afd_ray.layers.family import MODEL_FAMILIES
+
 __all__ = ["AFD_ARCHITECTURES", "afd_architecture", "register"]
 
-AFD_ARCHITECTURES = {
-    "LlamaForCausalLM": "afd_ray.attention.models.llama:AFDLlamaForCausalLM",
-    "MixtralForCausalLM": "afd_ray.attention.models.mixtral:AFDMixtralForCausalLM",
-    "Qwen3MoeForCausalLM": "afd_ray.attention.models.qwen3_moe:AFDQwen3MoeForCausalLM",
-    "DeepseekV2ForCausalLM": "afd_ray.attention.models.deepseek:AFDDeepseekV2ForCausalLM",
-    "DeepseekV3ForCausalLM": "afd_ray.attention.models.deepseek:AFDDeepseekV3ForCausalLM",
-}
-"""Checkpoint architecture -> AFD attention-role class (lazy import path)."""
+AFD_ARCHITECTURES: Mapping[str, str] = MappingProxyType(
+    {family.architecture: family.attention_class for family in MODEL_FAMILIES.values()}
+)
+"""Checkpoint architecture -> AFD attention-role class (lazy import path), from the
+family registry (`afd_ray.layers.family.MODEL_FAMILIES`)."""
 
 
 def afd_architecture(checkpoint: Path) -> str:

@@ -32,14 +32,18 @@ from pydantic import ValidationError
 
 from afd_ray.bench.config import BenchConfig, Topology
 from afd_ray.bench.schema import BenchResult, FFNRankResult
+from afd_ray.config import EMBEDDED_MODELS
 from afd_ray.models import FAMILIES
 from afd_ray.models.shapes import SHAPES
-from afd_ray.serve.ingress_env import free_port, private_cluster_env
+from afd_ray.serve.ingress_env import private_cluster_env, private_http_options
 
 __all__ = ["build_parser", "format_table", "main", "serve_endpoint", "usage_message"]
 
 SMOKE = {
-    "topologies": ("plain", "1A1F"), "concurrency": (1,), "requests_per_stream": 1, "max_tokens": 4,
+    "topologies": ("plain", "1A1F"),
+    "concurrency": (1,),
+    "requests_per_stream": 1,
+    "max_tokens": 4,
     "transport_microbench": False,
 }
 """`--smoke`: one short request per topology, plain and 1A:1F; flags given explicitly
@@ -48,7 +52,7 @@ still win."""
 _FLAG_TYPES: dict[str, dict[str, object]] = {
     "platform": {"choices": ("cpu", "cuda")},
     "dtype": {"choices": ("float32", "bfloat16", "float16")},
-    "families": {"nargs": "+", "choices": (*FAMILIES, "smollm2", "smollm2-moe", *SHAPES)},
+    "families": {"nargs": "+", "choices": (*FAMILIES, *EMBEDDED_MODELS, *SHAPES)},
     "topologies": {"nargs": "+", "metavar": "LAYOUT"},
     "concurrency": {"type": int, "nargs": "+"},
     "prompt_tokens": {"type": int},
@@ -146,7 +150,11 @@ def format_table(result: BenchResult) -> str:
             f"{run.family:<18}{run.label:<10}{run.concurrency:>6}{run.threads:>4}{run.output_tokens_per_s:>9.1f}"
             f"{run.ttft.p50_ms:>10.1f}{run.tpot.mean_ms:>8.1f}{run.itl.p50_ms:>9.1f}{run.itl.p99_ms:>9.1f}"
             f"{tokens:>10}{measured:>10}{formula:>10}{busy:>10}"
-            + (f"{run.slo.goodput_rps:>10.2f}{run.slo.cost_per_1m_output_tokens:>9.2f}" if run.slo else f"{'-':>10}{'-':>9}")
+            + (
+                f"{run.slo.goodput_rps:>10.2f}{run.slo.cost_per_1m_output_tokens:>9.2f}"
+                if run.slo
+                else f"{'-':>10}{'-':>9}"
+            )
             + f"  {split}"
         )
     lines.append(
@@ -190,14 +198,12 @@ def _serve_url(dashboard_url: str | None) -> str:
     import httpx
     from ray import serve
 
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    http = private_http_options()
+    serve.start(http_options=http)
     if not dashboard_url:
-        return f"http://127.0.0.1:{port}"
+        return f"http://{http.host}:{http.port}"
     scheme = "" if "://" in dashboard_url else "http://"
-    details = (
-        httpx.get(f"{scheme}{dashboard_url}/api/serve/applications/", timeout=30).raise_for_status().json()
-    )
+    details = httpx.get(f"{scheme}{dashboard_url}/api/serve/applications/", timeout=30).raise_for_status().json()
     host, port = details["http_options"]["host"], details["http_options"]["port"]
     return f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
 

@@ -41,8 +41,8 @@ import torch
 from transformers import DeepseekV2Config, PretrainedConfig, Qwen3MoeConfig
 
 from afd_ray.ffn.model import FFNStack
-from afd_ray.ffn.moe import MoE
-from afd_ray.ffn.routing import Routing
+from afd_ray.layers.moe import MoE
+from afd_ray.layers.routing import Routing
 
 __all__ = ["main", "moe_shapes", "random_fill"]
 
@@ -56,15 +56,36 @@ def moe_shapes() -> dict[str, PretrainedConfig]:
     """The benchmarked shapes: two decoder layers each (layer 1 is the MoE one)."""
     return {
         "deepseek_v2_lite": DeepseekV2Config(
-            hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408, n_routed_experts=64,
-            num_experts_per_tok=6, n_shared_experts=2, num_hidden_layers=2, first_k_dense_replace=1,
-            topk_method="greedy", n_group=1, topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0,
-            num_attention_heads=16, num_key_value_heads=16, vocab_size=1024,
+            hidden_size=2048,
+            intermediate_size=10944,
+            moe_intermediate_size=1408,
+            n_routed_experts=64,
+            num_experts_per_tok=6,
+            n_shared_experts=2,
+            num_hidden_layers=2,
+            first_k_dense_replace=1,
+            topk_method="greedy",
+            n_group=1,
+            topk_group=1,
+            norm_topk_prob=False,
+            routed_scaling_factor=1.0,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            vocab_size=1024,
         ),
         "qwen3_30b_a3b": Qwen3MoeConfig(
-            hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
-            num_experts_per_tok=8, norm_topk_prob=True, num_hidden_layers=2, decoder_sparse_step=1,
-            mlp_only_layers=[], num_attention_heads=32, num_key_value_heads=4, vocab_size=1024,
+            hidden_size=2048,
+            intermediate_size=6144,
+            moe_intermediate_size=768,
+            num_experts=128,
+            num_experts_per_tok=8,
+            norm_topk_prob=True,
+            num_hidden_layers=2,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            vocab_size=1024,
         ),
     }
 
@@ -125,7 +146,6 @@ def copy_bandwidth(device: torch.device, gib: int = 4) -> float:
     src = torch.empty(gib << 30, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     ms = _median_ms(lambda: dst.copy_(src), 10)
-    del src, dst
     return 2 * (gib << 30) / (ms / 1e3)
 
 
@@ -203,7 +223,7 @@ def run(args: argparse.Namespace) -> dict:
         if args.sweep:
             shape["sweep_routed_ms"] = sweep(block, config.hidden_size, [64, 128, 256], args.iters, device)
             Path(args.out).write_text(json.dumps(results, indent=2))
-        del block
+        block = None  # freed before the next shape's weights are built
         torch.cuda.empty_cache()
     return results
 
@@ -248,10 +268,17 @@ def sweep(block: MoE, hidden_size: int, tokens_list: list[int], iters: int, devi
                     timings[name] = {"error": repr(exc)[:300]}
             ok = {k: v for k, v in timings.items() if "ms" in v and v["rel_vs_default"] < 1e-2}
             best = min(ok, key=lambda k: ok[k]["ms"])
-            out[str(tokens)] = {"configs": timings, "best": best, "best_ms": ok[best]["ms"],
-                                "default_ms": timings["default"].get("ms")}
-            print(f"  sweep T={tokens}: default {timings['default'].get('ms', float('nan')) * 1e3:.0f} us, "
-                  f"best {best} {ok[best]['ms'] * 1e3:.0f} us", flush=True)
+            out[str(tokens)] = {
+                "configs": timings,
+                "best": best,
+                "best_ms": ok[best]["ms"],
+                "default_ms": timings["default"].get("ms"),
+            }
+            print(
+                f"  sweep T={tokens}: default {timings['default'].get('ms', float('nan')) * 1e3:.0f} us, "
+                f"best {best} {ok[best]['ms'] * 1e3:.0f} us",
+                flush=True,
+            )
     return out
 
 

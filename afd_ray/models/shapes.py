@@ -42,15 +42,39 @@ def shape_config(shape: Shape, num_hidden_layers: int | None = None):  # -> PreT
     """
     from transformers import DeepseekV2Config, Qwen3MoeConfig
 
-    common = dict(hidden_size=2048, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1, pad_token_id=1,
-                  tie_word_embeddings=False, dtype="bfloat16", max_position_embeddings=8192)
+    common = dict(
+        hidden_size=2048,
+        rms_norm_eps=1e-6,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=1,
+        tie_word_embeddings=False,
+        dtype="bfloat16",
+        max_position_embeddings=8192,
+    )
     if shape == "deepseek-v2-lite":
         config = DeepseekV2Config(
-            **common, vocab_size=102400, intermediate_size=10944, moe_intermediate_size=1408,
-            num_hidden_layers=num_hidden_layers or 27, num_attention_heads=16, num_key_value_heads=16,
-            n_shared_experts=2, n_routed_experts=64, num_experts_per_tok=6, routed_scaling_factor=1.0,
-            kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128,
-            topk_method="greedy", n_group=1, topk_group=1, first_k_dense_replace=1, norm_topk_prob=False,
+            **common,
+            vocab_size=102400,
+            intermediate_size=10944,
+            moe_intermediate_size=1408,
+            num_hidden_layers=num_hidden_layers or 27,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            n_shared_experts=2,
+            n_routed_experts=64,
+            num_experts_per_tok=6,
+            routed_scaling_factor=1.0,
+            kv_lora_rank=512,
+            q_lora_rank=None,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            qk_nope_head_dim=128,
+            topk_method="greedy",
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=1,
+            norm_topk_prob=False,
             rope_theta=10000.0,
         )
         config.scoring_func = "softmax"  # read by vLLM
@@ -59,10 +83,20 @@ def shape_config(shape: Shape, num_hidden_layers: int | None = None):  # -> PreT
         return config
     if shape == "qwen3-30b-a3b":
         config = Qwen3MoeConfig(
-            **common, vocab_size=151936, intermediate_size=6144, moe_intermediate_size=768,
-            num_hidden_layers=num_hidden_layers or 48, num_attention_heads=32, num_key_value_heads=4,
-            head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, rope_theta=1e6,
-            decoder_sparse_step=1, mlp_only_layers=[],
+            **common,
+            vocab_size=151936,
+            intermediate_size=6144,
+            moe_intermediate_size=768,
+            num_hidden_layers=num_hidden_layers or 48,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            num_experts=128,
+            num_experts_per_tok=8,
+            norm_topk_prob=True,
+            rope_theta=1e6,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
         )
         config.architectures = ["Qwen3MoeForCausalLM"]
         return config

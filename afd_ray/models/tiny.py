@@ -15,7 +15,9 @@ head sizes (qk_nope 128, qk_rope 64, v 128) among the small ones, so
 
 from __future__ import annotations
 
+import importlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -31,6 +33,7 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
+from afd_ray.layers.family import MODEL_FAMILIES
 from afd_ray.models import FAMILIES, Family
 from afd_ray.models._folder import build_once, is_checkpoint
 
@@ -79,55 +82,76 @@ _MLA = dict(
 def tiny_config(family: Family, cuda_mla_heads: bool = False) -> PreTrainedConfig:
     """The transformers config of one tiny family (float32, vocab 512, hidden 128);
     with `cuda_mla_heads`, the DeepSeek families get DeepSeek's MLA head sizes
-    (qk_nope 128, v 128) that vLLM's CUDA MLA prefill needs.
+    (qk_nope 128, v 128) that vLLM's CUDA MLA prefill needs. The family's builder is
+    the registry's `ModelFamily.tiny_config` (`afd_ray.layers.family`).
 
     Raises:
         ValueError: unknown `family`.
     """
-    if family == "llama":
-        return LlamaConfig(
-            **_COMMON,
-            num_hidden_layers=2,
-            num_key_value_heads=2,
-            head_dim=32,
-        )
-    if family == "qwen3_moe":
-        return Qwen3MoeConfig(
-            **_COMMON,
-            num_hidden_layers=2,
-            num_key_value_heads=2,
-            head_dim=32,
-            moe_intermediate_size=64,
-            num_experts=8,
-            num_experts_per_tok=2,
-            norm_topk_prob=True,
-        )
-    mla = _MLA | ({"qk_nope_head_dim": 128, "v_head_dim": 128} if cuda_mla_heads else {})
-    if family == "deepseek_v3":
-        config = DeepseekV3Config(
-            **_COMMON,
-            **mla,
-            q_lora_rank=64,
-            norm_topk_prob=True,
-            routed_scaling_factor=2.5,
-            num_mtp_layers=0,  # no multi-token-prediction weights are saved
-        )
-        # Read by vLLM (transformers' V3 always routes this way).
-        config.topk_method = "noaux_tc"
-        config.scoring_func = "sigmoid"
-        return config
-    if family == "deepseek_v2":
-        config = DeepseekV2Config(
-            **_COMMON,
-            **mla,
-            q_lora_rank=None,
-            topk_method="group_limited_greedy",
-            norm_topk_prob=False,
-            routed_scaling_factor=1.0,
-        )
-        config.scoring_func = "softmax"
-        return config
-    raise ValueError(f"unknown tiny family {family!r}; expected one of {FAMILIES}")
+    if family not in FAMILIES:
+        raise ValueError(f"unknown tiny family {family!r}; expected one of {FAMILIES}")
+    module, name = MODEL_FAMILIES[family].tiny_config.split(":")
+    builder: Callable[[bool], PreTrainedConfig] = getattr(importlib.import_module(module), name)
+    return builder(cuda_mla_heads)
+
+
+def llama_config(cuda_mla_heads: bool) -> LlamaConfig:
+    """Tiny dense Llama (GQA), 2 layers; `cuda_mla_heads` does not apply (no MLA)."""
+    return LlamaConfig(
+        **_COMMON,
+        num_hidden_layers=2,
+        num_key_value_heads=2,
+        head_dim=32,
+    )
+
+
+def qwen3_moe_config(cuda_mla_heads: bool) -> Qwen3MoeConfig:
+    """Tiny Qwen3-MoE, 2 layers of 8 experts, top-2 renormalized; `cuda_mla_heads` does
+    not apply (no MLA)."""
+    return Qwen3MoeConfig(
+        **_COMMON,
+        num_hidden_layers=2,
+        num_key_value_heads=2,
+        head_dim=32,
+        moe_intermediate_size=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+    )
+
+
+def deepseek_v2_config(cuda_mla_heads: bool) -> DeepseekV2Config:
+    """Tiny DeepSeek-V2: MLA without q LoRA, group-limited greedy softmax routing."""
+    config = DeepseekV2Config(
+        **_COMMON,
+        **_mla(cuda_mla_heads),
+        q_lora_rank=None,
+        topk_method="group_limited_greedy",
+        norm_topk_prob=False,
+        routed_scaling_factor=1.0,
+    )
+    config.scoring_func = "softmax"
+    return config
+
+
+def deepseek_v3_config(cuda_mla_heads: bool) -> DeepseekV3Config:
+    """Tiny DeepSeek-V3: MLA with a q LoRA, grouped sigmoid routing with a bias."""
+    config = DeepseekV3Config(
+        **_COMMON,
+        **_mla(cuda_mla_heads),
+        q_lora_rank=64,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        num_mtp_layers=0,  # no multi-token-prediction weights are saved
+    )
+    # Read by vLLM (transformers' V3 always routes this way).
+    config.topk_method = "noaux_tc"
+    config.scoring_func = "sigmoid"
+    return config
+
+
+def _mla(cuda_mla_heads: bool) -> dict[str, object]:
+    return _MLA | ({"qk_nope_head_dim": 128, "v_head_dim": 128} if cuda_mla_heads else {})
 
 
 def train_tokenizer() -> PreTrainedTokenizerFast:

@@ -57,9 +57,7 @@ def test_prepare_smollm2_is_idempotent(smollm2_dir: Path) -> None:
     assert prepare_smollm2() == smollm2_dir
     assert weights.stat().st_mtime_ns == before
     assert not list(smollm2_dir.parent.glob(f".{SMOLLM2_DIR}-*"))  # no temp leftovers
-    assert {"config.json", "generation_config.json", "tokenizer.json"} <= {
-        p.name for p in smollm2_dir.iterdir()
-    }
+    assert {"config.json", "generation_config.json", "tokenizer.json"} <= {p.name for p in smollm2_dir.iterdir()}
     assert "quantization_config" not in (smollm2_dir / "config.json").read_text()
 
 

@@ -25,9 +25,7 @@ def _sha256(path: Path) -> str:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_same_seed_same_bytes(
-    family: Family, tiny_dir: Callable[..., Path], tmp_path: Path
-) -> None:
+def test_same_seed_same_bytes(family: Family, tiny_dir: Callable[..., Path], tmp_path: Path) -> None:
     first = tiny_dir(family)
     again = build_tiny(family, tmp_path / "again")
     for name in ("model.safetensors", "tokenizer.json", "config.json"):
@@ -64,9 +62,7 @@ def test_deepseek_configs_fit_cpu_mla(family: Family, tiny_dir: Callable[..., Pa
     assert config.first_k_dense_replace == 1 and config.n_shared_experts == 1
     assert config.n_routed_experts % config.n_group == 0
     assert 1 < config.topk_group < config.n_group  # grouped routing really prunes groups
-    expected = (
-        ("noaux_tc", "sigmoid") if family == "deepseek_v3" else ("group_limited_greedy", "softmax")
-    )
+    expected = ("noaux_tc", "sigmoid") if family == "deepseek_v3" else ("group_limited_greedy", "softmax")
     assert (config.topk_method, config.scoring_func) == expected
 
 
@@ -84,17 +80,13 @@ def test_tokenizer() -> None:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_transformers_greedy_is_not_degenerate(
-    family: Family, tiny_dir: Callable[..., Path]
-) -> None:
+def test_transformers_greedy_is_not_degenerate(family: Family, tiny_dir: Callable[..., Path]) -> None:
     folder = tiny_dir(family)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     for prompt in PROMPTS:
         inputs = tokenizer(prompt, return_tensors="pt")
-        out = model.generate(
-            **inputs, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False
-        )
+        out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
         tokens = out[0, inputs["input_ids"].shape[1] :].tolist()
         assert len(set(tokens)) >= 4, (prompt, tokens)
 
@@ -119,7 +111,12 @@ def test_cuda_mla_heads_give_deepseeks_head_sizes(tmp_path: Path) -> None:
     """vLLM's CUDA MLA prefill takes DeepSeek's own head sizes only; the build records them."""
     folder = build_tiny("deepseek_v3", tmp_path / "v3", cuda_mla_heads=True)
     config = AutoConfig.from_pretrained(folder)
-    assert (config.kv_lora_rank, config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim) == (512, 128, 64, 128)
+    assert (config.kv_lora_rank, config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim) == (
+        512,
+        128,
+        64,
+        128,
+    )
     assert json.loads((folder / BUILD_INFO).read_text()) == {"family": "deepseek_v3", "seed": 0, "cuda_mla_heads": True}
     model = AutoModelForCausalLM.from_pretrained(folder)
     assert torch.isfinite(model(torch.tensor([[0, 5, 9]])).logits).all()

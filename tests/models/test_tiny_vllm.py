@@ -53,8 +53,13 @@ def vllm_run(request: pytest.FixtureRequest, tiny_dir: Callable[..., Path]) -> I
         from vllm import LLM, SamplingParams
         from vllm.distributed import cleanup_dist_env_and_memory
 
-        llm = LLM(model=str(folder), dtype="float32", enforce_eager=True, max_model_len=256,
-                  attention_backend=attention_backend(folder, "float32"))
+        llm = LLM(
+            model=str(folder),
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=256,
+            attention_backend=attention_backend(folder, "float32"),
+        )
         params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
         outputs = llm.generate(list(PROMPTS), params, use_tqdm=False)
         yield GreedyRun(
@@ -77,9 +82,7 @@ def _transformers_greedy(folder: Path) -> tuple[list[list[int]], list[list[int]]
     prompt_ids, tokens = [], []
     for prompt in PROMPTS:
         inputs = tokenizer(prompt, return_tensors="pt")
-        out = model.generate(
-            **inputs, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False
-        )
+        out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
         n = inputs["input_ids"].shape[1]
         prompt_ids.append(out[0, :n].tolist())
         tokens.append(out[0, n:].tolist())

@@ -31,9 +31,10 @@ from vllm.sequence import IntermediateTensors
 
 from afd_ray.attention.ffn_op import begin_ffn_step, remote_ffn, remote_moe
 from afd_ray.attention.model_state import AFDModelState
-from afd_ray.ffn.family import ffn_layout
-from afd_ray.ffn.mlp import GatedMLP
-from afd_ray.ffn.routing import Router
+from afd_ray.attention.worker import attach_ffn_peer
+from afd_ray.layers.family import ffn_layout
+from afd_ray.layers.mlp import GatedMLP
+from afd_ray.layers.routing import Router
 from afd_ray.weights import Role, ffn_block_prefix, role_of
 
 __all__ = ["GATE_ON_ATTENTION", "AFDCausalLM", "AFDDecoderLayer", "attention_weights", "combine_moe_parts"]
@@ -106,7 +107,8 @@ class AFDDecoderLayer(nn.Module):
         """Whether this layer's FFN output comes split (`MoEShape.split_output`, the
         engine compiled unless `enforce_eager`); with `gate_on_attention`, this
         layer's router (MoE layer) or dense MLP, under the checkpoint's FFN block name
-        (`mlp` / `block_sparse_moe`)."""
+        (`mlp` / `block_sparse_moe`). Opens the worker's FFN client first (`attach_ffn_peer`)."""
+        attach_ffn_peer(vllm_config)
         config = vllm_config.model_config.hf_config
         layout = ffn_layout(config)
         compiled = not vllm_config.model_config.enforce_eager

@@ -143,9 +143,7 @@ class AFDDeepseekV2Model(nn.Module):
             lambda prefix: AFDDeepseekV2DecoderLayer(vllm_config, prefix),
             prefix=f"{prefix}.layers",
         )
-        self.norm = (
-            RMSNorm(config.hidden_size, eps=config.rms_norm_eps) if pp.is_last_rank else PPMissingLayer()
-        )
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps) if pp.is_last_rank else PPMissingLayer()
         self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
             ["hidden_states", "residual"], config.hidden_size
         )
@@ -230,7 +228,6 @@ class AFDDeepseekV2ForCausalLM(AFDCausalLM, SupportsPP):
         )
         self.logits_processor = LogitsProcessor(config.vocab_size)
         self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
-
 
 
 class AFDDeepseekV3ForCausalLM(AFDDeepseekV2ForCausalLM):

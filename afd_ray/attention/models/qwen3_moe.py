@@ -78,4 +78,3 @@ class AFDQwen3MoeForCausalLM(AFDCausalLM, SupportsPP):
             self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
         self.logits_processor = LogitsProcessor(config.vocab_size)
         self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
-

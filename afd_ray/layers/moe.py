@@ -8,12 +8,12 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from afd_ray.ffn.experts import Experts
-from afd_ray.ffn.family import MoEShape
-from afd_ray.ffn.fused import fused_experts_applies, fused_moe
-from afd_ray.ffn.mlp import GatedMLP
-from afd_ray.ffn.routing import Router, Routing
-from afd_ray.platform import pooled_stream_other_than
+from afd_ray.devices import pooled_stream_other_than
+from afd_ray.layers.experts import Experts
+from afd_ray.layers.fused import fused_experts_applies, fused_moe
+from afd_ray.layers.mlp import GatedMLP
+from afd_ray.layers.routing import Router, Routing
+from afd_ray.layers.spec import MoEShape
 
 __all__ = ["MoE"]
 
@@ -118,9 +118,7 @@ class MoE(nn.Module):
         """
         num_experts = self.spec.num_experts
         if len(self.experts.owned) != num_experts:
-            raise RuntimeError(
-                f"MoE.forward needs all {num_experts} experts; this EP shard owns {self.experts.owned}"
-            )
+            raise RuntimeError(f"MoE.forward needs all {num_experts} experts; this EP shard owns {self.experts.owned}")
         shared = self.begin_shared(hidden)
         routing = self.route(hidden) if routing is None else routing
         if fused_experts_applies(hidden, self.hidden_act):

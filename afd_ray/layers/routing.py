@@ -6,66 +6,15 @@ default, the attention role with `gate_on_attention` (docs/models.md, gate place
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Router", "Routing", "RoutingSpec"]
+from afd_ray.layers.spec import RoutingSpec
 
-
-@dataclass(frozen=True)
-class RoutingSpec:
-    """How one model family turns gate logits into top-k experts and weights.
-
-    Raises:
-        ValueError: the groups do not split the experts evenly, fewer than `top_k`
-            experts remain after group limiting, or a `top2_sum` group has one expert.
-    """
-
-    num_experts: int
-    """Routed experts per MoE layer (E)."""
-    top_k: int
-    """Experts chosen per token (k)."""
-    scoring: Literal["softmax", "sigmoid"]
-    """Logits -> scores: softmax over the experts, or an independent sigmoid each."""
-    num_groups: int
-    """Expert groups (G; experts `[g*E/G, (g+1)*E/G)` form group g); 1 = no group limit."""
-    top_groups: int
-    """Groups a token may choose from (the best `top_groups` by group score)."""
-    group_score: Literal["max", "top2_sum"]
-    """A group's score: its best expert score (DeepSeek-V2), or the sum of its best two
-    (DeepSeek-V3)."""
-    correction_bias: bool
-    """Whether `e_score_correction_bias` is added to the scores for selection only."""
-    renormalize: bool
-    """Whether the k weights are divided by their sum (`norm_topk_prob`)."""
-    scaling_factor: float
-    """Multiplies the k weights last (`routed_scaling_factor`)."""
-    float32_logits: bool
-    """Whether the gate matmul runs in float32 (DeepSeek) or in the model dtype (Qwen3)."""
-    float32_scores: bool = True
-    """Whether the scores, the choice and the weights are computed from the logits in
-    float32 (vLLM's fused top-k kernels: `topk_softmax` for Qwen3 and Mixtral, the
-    fused grouped top-k for DeepSeek-V3), or in the logits' dtype (vLLM's
-    `grouped_topk`, which DeepSeek-V2's router runs, vLLM 0.26 and 0.32:
-    `torch.softmax` of the model-dtype logits, weights renormalized and scaled in that
-    dtype, then cast to float32). In bfloat16 the two choose differently wherever
-    scores round to ties: with tiny logits (vLLM's `load_format="dummy"`) every score
-    rounds to 1/E, so vLLM sends every token to the same k experts."""
-
-    def __post_init__(self) -> None:
-        if self.num_experts % self.num_groups:
-            raise ValueError(f"{self.num_experts} experts do not split into {self.num_groups} groups")
-        if self.top_k > self.top_groups * (self.num_experts // self.num_groups):
-            raise ValueError(
-                f"top_k={self.top_k} exceeds the {self.top_groups} groups of "
-                f"{self.num_experts // self.num_groups} experts a token may choose from"
-            )
-        if self.group_score == "top2_sum" and self.num_groups > 1 and self.num_experts // self.num_groups < 2:
-            raise ValueError("group_score 'top2_sum' needs at least 2 experts per group")
+__all__ = ["Router", "Routing"]
 
 
 class Routing(NamedTuple):

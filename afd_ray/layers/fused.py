@@ -40,9 +40,7 @@ def fused_experts_applies(hidden: torch.Tensor, hidden_act: str) -> bool:
     """Whether `fused_moe` can compute the routed experts of `hidden` `[T, H]`: a CUDA
     tensor of float32/float16/bfloat16, a gated SiLU or GELU MLP, and vLLM's fused MoE
     kernels importable."""
-    return (
-        hidden.is_cuda and hidden.dtype in _DTYPES and hidden_act in _ACTIVATIONS and _kernel() is not None
-    )
+    return hidden.is_cuda and hidden.dtype in _DTYPES and hidden_act in _ACTIVATIONS and _kernel() is not None
 
 
 def fused_moe(
