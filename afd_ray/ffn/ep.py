@@ -30,9 +30,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from afd_ray.ffn.moe import MoE
 from afd_ray.ffn.placement import expert_owner
-from afd_ray.ffn.routing import Routing
+from afd_ray.layers.moe import MoE
+from afd_ray.layers.routing import Routing
 
 __all__ = ["EPGroup"]
 
@@ -60,7 +60,7 @@ class EPGroup:
         rank pads its rows to at least `max(step_tokens)` for that step."""
         self.all_ready = False
         """Whether every EP rank passed `ready=True` to the last `agree()`: the group
-        switches to its next layout after that step (`afd_ray.ffn.runtime`)."""
+        switches to its next layout after that step (`afd_ray.ffn.layout`)."""
         self.first_layer = 0
         """The layer the step of the last `agree()` starts at: the largest `first_layer`
         of the ranks that have tokens (0 when none has). Every rank runs the layers from

@@ -29,9 +29,9 @@ import torch
 
 from afd_ray.ffn.ep import EPGroup
 from afd_ray.ffn.model import FFNStack
-from afd_ray.ffn.moe import MoE
-from afd_ray.ffn.routing import Routing
-from afd_ray.platform import pooled_stream_other_than
+from afd_ray.layers.moe import MoE
+from afd_ray.layers.routing import Routing
+from afd_ray.devices import pooled_stream_other_than
 
 __all__ = [
     "DEFAULT_BUCKETS",

@@ -13,10 +13,10 @@ import torch
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
-from afd_ray.ffn.family import ffn_layout
-from afd_ray.ffn.mlp import GatedMLP
-from afd_ray.ffn.moe import MoE
 from afd_ray.ffn.placement import owned_experts
+from afd_ray.layers.family import ffn_layout
+from afd_ray.layers.mlp import GatedMLP
+from afd_ray.layers.moe import MoE
 from afd_ray.weights import ffn_layer_params
 
 __all__ = ["FFNStack", "dummy_fill", "load_ffn_stack"]
@@ -37,7 +37,7 @@ class FFNStack(nn.Module):
 
     Args:
         config: the checkpoint's transformers config (`model_type` one of
-            `family.SUPPORTED_MODEL_TYPES`).
+            `afd_ray.layers.family.MODEL_FAMILIES`).
         dtype: model dtype of the parameters; None = torch's default dtype.
         ep_rank, ep_size: this rank's place in the EP group; MoE layers hold only
             the routed experts `placement.owned_experts(E, ep_size, ep_rank)`.
@@ -71,7 +71,11 @@ class FFNStack(nn.Module):
         self.gate_on_attention = gate_on_attention
         self.layer_ids = sorted(layout.moe_layers) if gate_on_attention else list(range(layout.num_layers))
         dense = (
-            layout.hidden_size, layout.intermediate_size, layout.hidden_act, layout.mlp_bias, dtype,
+            layout.hidden_size,
+            layout.intermediate_size,
+            layout.hidden_act,
+            layout.mlp_bias,
+            dtype,
             attention_compiled,
         )
         layers: list[nn.Module] = []
@@ -79,10 +83,14 @@ class FFNStack(nn.Module):
             if i in layout.moe_layers:
                 owned = owned_experts(layout.moe.routing.num_experts, ep_size, ep_rank)
                 moe = (layout.moe, owned, layout.hidden_size, layout.hidden_act, layout.mlp_bias, dtype)
-                layers.append(MoE(
-                    *moe, with_gate=not gate_on_attention, act_in_float32=attention_compiled,
-                    split_output=layout.moe.split_output(attention_compiled),
-                ))  # fmt: skip
+                layers.append(
+                    MoE(
+                        *moe,
+                        with_gate=not gate_on_attention,
+                        act_in_float32=attention_compiled,
+                        split_output=layout.moe.split_output(attention_compiled),
+                    )
+                )
             else:
                 layers.append(GatedMLP(*dense))
         self.layers = nn.ModuleList(layers)
@@ -206,8 +214,10 @@ def load_ffn_stack(
             for key in [k for k, t in targets.items() if k in held and held[k].shape == t.shape]:
                 targets.pop(key).copy_(held[key])
             owned -= {e for block in reuse.moe_blocks for e in block.experts.owned}
-        params = [] if not targets else ffn_layer_params(
-            checkpoint, config.num_hidden_layers, owned, gate_on_attention, stack.moe_layers
+        params = (
+            []
+            if not targets
+            else ffn_layer_params(checkpoint, config.num_hidden_layers, owned, gate_on_attention, stack.moe_layers)
         )
         for layer, name, tensor in params:
             if reuse is not None and (layer, name) not in targets:

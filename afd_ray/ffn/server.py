@@ -34,18 +34,19 @@ from afd_ray.config import (
     GatePlacement,
     ModelConfig,
     ObservabilityConfig,
-    Platform,
 )
 from afd_ray.connector.channel import FFNChannel
 from afd_ray.connector.process_group import new_process_group
 from afd_ray.control.membership import EPAssignment, FFNMember, LayoutPlan, LoopState, MemberState
 from afd_ray.control.serve_api import app_deleting
 from afd_ray.ffn.ep import EPGroup
+from afd_ray.ffn.layout import LayoutSwitch
 from afd_ray.ffn.model import FFNStack, load_ffn_stack
-from afd_ray.ffn.runtime import FFNRuntime, LayoutSwitch
+from afd_ray.ffn.runtime import FFNRuntime
 from afd_ray.models.embedded import resolve_checkpoint
 from afd_ray.observability.publish import FFNPublisher
-from afd_ray.platform import collective_backend, lower_data_plane_priority, torch_device
+from afd_ray.devices import torch_device
+from afd_ray.platform import Platform, collective_backend, lower_data_plane_priority
 from afd_ray.weights import resident_bytes
 
 __all__ = ["FFNServer"]
@@ -60,12 +61,17 @@ _STOP_POLL_S = 0.1
 def _ep_process_group(assignment: EPAssignment) -> dist.ProcessGroup:
     """Join the FFN pool's EP group (blocks until every FFN rank joined)."""
     store = dist.TCPStore(
-        assignment.host, assignment.store_port, is_master=False,
+        assignment.host,
+        assignment.store_port,
+        is_master=False,
         timeout=timedelta(seconds=assignment.timeout_s),
     )
     return new_process_group(
-        assignment.backend, dist.PrefixStore(f"afd/ep/{assignment.epoch}", store),
-        assignment.ep_rank, assignment.ep_size, assignment.timeout_s,
+        assignment.backend,
+        dist.PrefixStore(f"afd/ep/{assignment.epoch}", store),
+        assignment.ep_rank,
+        assignment.ep_size,
+        assignment.timeout_s,
     )
 
 
@@ -99,7 +105,9 @@ class FFNServer:
         dtype = getattr(torch, model.dtype)
         device = torch_device(platform)
         channel = FFNChannel(
-            connector.host or ray.util.get_node_ip_address(), collective_backend(platform), connector.timeout_s,
+            connector.host or ray.util.get_node_ip_address(),
+            collective_backend(platform),
+            connector.timeout_s,
             node=ray.get_runtime_context().get_node_id(),
         )
         self._coordinator = coordinator
@@ -131,21 +139,36 @@ class FFNServer:
         ep_polls = (ffn.ep_idle_check_us / 1e6, ffn.ep_idle_max_check_us / 1e6)  # an MoE rank may join an EP group
         poll_s, idle_poll_s = ep_polls if stack.moe_blocks else (_STOP_POLL_S, _STOP_POLL_S)
         self._runtime = FFNRuntime(
-            stack, channel, dtype, poll_s, connector.batch_window_us / 1e6, ep, epoch=assignment.epoch,
-            idle_poll_s=idle_poll_s, ubatches=ffn.ubatches,
-            step_records=observability.step_records, ep_lost_wait_s=connector.peer_lost_wait_s,
+            stack,
+            channel,
+            dtype,
+            poll_s,
+            connector.batch_window_us / 1e6,
+            ep,
+            epoch=assignment.epoch,
+            idle_poll_s=idle_poll_s,
+            ubatches=ffn.ubatches,
+            step_records=observability.step_records,
+            ep_lost_wait_s=connector.peer_lost_wait_s,
         )
         self._publisher = FFNPublisher(self.rank) if observability.metrics else None
-        self._loop = threading.Thread(target=_run_niced, args=(self._runtime,), name=f"afd-ffn-{self.rank}",
-                                      daemon=True)  # fmt: skip
+        self._loop = threading.Thread(
+            target=_run_niced, args=(self._runtime,), name=f"afd-ffn-{self.rank}", daemon=True
+        )
         self._loop.start()
         self._reporter = asyncio.create_task(self._report())
 
     def _load_stack(self, assignment: EPAssignment, reuse: FFNStack | None = None) -> FFNStack:
         """This rank's shard for `assignment`; tensors `reuse` holds are copied from it."""
         return load_ffn_stack(
-            self._checkpoint, self._dtype, self._device, assignment.ep_rank, assignment.ep_size,
-            gate_on_attention=self._gate_on_attention, reuse=reuse, random_weights=self._random_weights,
+            self._checkpoint,
+            self._dtype,
+            self._device,
+            assignment.ep_rank,
+            assignment.ep_size,
+            gate_on_attention=self._gate_on_attention,
+            reuse=reuse,
+            random_weights=self._random_weights,
             attention_compiled=self._attention_compiled,
         )
 
@@ -163,13 +186,19 @@ class FFNServer:
         fences this rank. A failed report (the coordinator is restarting) is logged
         and the next one tried."""
         while True:
-            runtime = self._runtime
-            stats, expert_tokens, steps = runtime.stats, runtime.expert_tokens.tolist(), runtime.steps.take_new()
+            meter, layout = self._runtime.meter, self._runtime.layout
+            stats, expert_tokens, steps = meter.stats, meter.expert_tokens.tolist(), meter.steps.take_new()
             if self._publisher is not None:
-                self._publisher.publish(stats, expert_tokens, runtime.epoch, steps)
+                self._publisher.publish(stats, expert_tokens, layout.epoch, steps)
             try:
                 directive = await self._coordinator.report_ffn.remote(
-                    self.rank, stats, expert_tokens, runtime.epoch, runtime.take_pause(), steps, self._loop_state(),
+                    self.rank,
+                    stats,
+                    expert_tokens,
+                    layout.epoch,
+                    layout.take_pause(),
+                    steps,
+                    self._loop_state(),
                 )
                 if directive.fenced:
                     self._fence()
@@ -180,7 +209,7 @@ class FFNServer:
                 logger.warning("FFN rank %d: report to the coordinator failed", self.rank, exc_info=True)
                 await asyncio.sleep(_REPORT_PERIOD_S)
                 continue
-            runtime.drop_peers(directive.dead_peers)
+            layout.drop_peers(directive.dead_peers)
             plan = directive.plan
             if plan is not None and plan.epoch > self._preparing:
                 self._preparing = plan.epoch
@@ -191,13 +220,16 @@ class FFNServer:
     def _loop_state(self) -> LoopState:
         if not self._loop.is_alive():
             return LoopState.STOPPED
-        return LoopState.EP_LOST if self._runtime.ep_lost else LoopState.SERVING
+        return LoopState.EP_LOST if self._runtime.layout.ep_lost else LoopState.SERVING
 
     def _fence(self) -> None:
         """The coordinator removed this rank: stop the loop (it closes every pair) and
         fail the health checks from now on."""
-        logger.warning("FFN rank %d: the coordinator removed it (found dead, or scaled in); it stops serving and "
-                       "fails its health check", self.rank)  # fmt: skip
+        logger.warning(
+            "FFN rank %d: the coordinator removed it (found dead, or scaled in); it stops serving and "
+            "fails its health check",
+            self.rank,
+        )
         self._fenced = True
         self._runtime.stop()
 
@@ -206,38 +238,43 @@ class FFNServer:
         layout it serves (epoch, its FFN ranks, this rank's EP rank in it), what its
         loop does, and the newest layout epoch it was asked to prepare (the loop kept
         serving meanwhile)."""
-        runtime = self._runtime
-        epoch, loop = runtime.epoch, self._loop_state()
-        layout = () if runtime.left else self._layouts.get(epoch, ())
+        served = self._runtime.layout
+        epoch, loop = served.epoch, self._loop_state()
+        layout = () if served.left else self._layouts.get(epoch, ())
         member = FFNMember(
-            rank=self.rank, address=self._address, replica=self._replica, epoch=epoch,
+            rank=self.rank,
+            address=self._address,
+            replica=self._replica,
+            epoch=epoch,
             state=MemberState.READY if loop is not LoopState.STOPPED and layout else MemberState.GONE,
-            ep_rank=layout.index(self.rank) if self.rank in layout else None, loop=loop,
-        )  # fmt: skip
+            ep_rank=layout.index(self.rank) if self.rank in layout else None,
+            loop=loop,
+        )
         await self._coordinator.rejoin_ffn.remote(member, layout, self._preparing)
-        logger.info("FFN rank %d rejoined the coordinator (epoch %d, layout %s, loop %s)", self.rank, epoch, layout,
-                    loop.value)  # fmt: skip
+        logger.info(
+            "FFN rank %d rejoined the coordinator (epoch %d, layout %s, loop %s)", self.rank, epoch, layout, loop.value
+        )
 
     async def _prepare(self, plan: LayoutPlan) -> None:
         """Make before break: build this rank's shard of the layout of `plan` (unless
         it holds it already; dense models never reload), reading from the checkpoint
         only the experts it newly owns, and open its EP group, while the loop keeps
         serving; then hand both to the loop."""
-        runtime = self._runtime
+        layout = self._runtime.layout
         assignment = plan.assignment
-        self._layouts = {e: ranks for e, ranks in self._layouts.items() if e >= runtime.epoch}
+        self._layouts = {e: ranks for e, ranks in self._layouts.items() if e >= layout.epoch}
         if assignment is None:
-            runtime.prepare_switch(LayoutSwitch(plan.epoch, runtime.model, None, leave=True))
+            layout.prepare_switch(LayoutSwitch(plan.epoch, layout.model, None, leave=True))
             return
         self._layouts[plan.epoch] = assignment.ranks
-        stack = runtime.model
+        stack = layout.model
         shard = (assignment.ep_rank, assignment.ep_size)
         if stack.moe_blocks and shard != self._shard:
-            stack = await asyncio.to_thread(self._load_stack, assignment, runtime.model)
+            stack = await asyncio.to_thread(self._load_stack, assignment, layout.model)
             await self._coordinator.ffn_loaded.remote(self.rank, plan.epoch, stack.loaded_bytes)
         ep = await self._ep_group(stack, assignment)
         self._shard = shard
-        runtime.prepare_switch(LayoutSwitch(plan.epoch, stack, ep))
+        layout.prepare_switch(LayoutSwitch(plan.epoch, stack, ep))
 
     async def param_bytes(self) -> dict[str, int]:
         """Resident parameter bytes of this rank's FFN model, keyed by parameter name

@@ -33,8 +33,11 @@ def test_member_states_only_move_forward() -> None:
         state = state.to(new)
     assert state is MemberState.GONE
     assert MemberState.STARTING.to(MemberState.GONE) is MemberState.GONE  # failed while starting
-    for old, new in [(MemberState.DRAINING, MemberState.READY), (MemberState.GONE, MemberState.GONE),
-                     (MemberState.READY, MemberState.STARTING)]:  # fmt: skip
+    for old, new in [
+        (MemberState.DRAINING, MemberState.READY),
+        (MemberState.GONE, MemberState.GONE),
+        (MemberState.READY, MemberState.STARTING),
+    ]:
         with pytest.raises(ValueError, match=f"{old.value} -> {new.value}"):
             old.to(new)
 
@@ -132,7 +135,7 @@ def test_runtime_drops_a_peer_that_vanished_without_leave(tmp_path: Path, transp
             return time.perf_counter() - start
 
         assert step() >= window_s  # waits for the silent peer
-        runtime.drop_peers([0])
+        runtime.layout.drop_peers([0])
         deadline = time.monotonic() + 10
         while runtime.channel.peers != [1] and time.monotonic() < deadline:
             time.sleep(0.01)

@@ -14,7 +14,7 @@ from afd_ray.connector.channel import FFNChannel
 from afd_ray.connector.process_group import new_process_group
 from afd_ray.ffn.ep import EPGroup
 from afd_ray.ffn.model import load_ffn_stack
-from afd_ray.ffn.moe import MoE
+from afd_ray.layers.moe import MoE
 from afd_ray.ffn.runtime import FFNRuntime
 
 CPU = torch.device("cpu")
@@ -46,8 +46,16 @@ def ep_pair(
             moe = [block for block in stack.layers if isinstance(block, MoE)]
             ep = group_cls(group, moe[0].spec.num_experts, CPU)
             channel = FFNChannel("127.0.0.1", "gloo", timeout_s)
-            runtimes[rank] = FFNRuntime(stack, channel, torch.float32, POLL_S, BATCH_WINDOW_S, ep,
-                                        ep_lost_wait_s=ep_lost_wait_s, idle_poll_s=idle_poll_s)  # fmt: skip
+            runtimes[rank] = FFNRuntime(
+                stack,
+                channel,
+                torch.float32,
+                POLL_S,
+                BATCH_WINDOW_S,
+                ep,
+                ep_lost_wait_s=ep_lost_wait_s,
+                idle_poll_s=idle_poll_s,
+            )
         except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
             errors.append(exc)
 

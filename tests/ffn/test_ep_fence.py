@@ -23,8 +23,9 @@ from afd_ray.connector.channel import FFNChannel
 from afd_ray.connector.process_group import new_process_group
 from afd_ray.ffn.ep import EPGroup
 from afd_ray.ffn.model import load_ffn_stack
-from afd_ray.ffn.moe import MoE
-from afd_ray.ffn.runtime import FFNRuntime, LayoutSwitch
+from afd_ray.layers.moe import MoE
+from afd_ray.ffn.layout import LayoutSwitch
+from afd_ray.ffn.runtime import FFNRuntime
 from afd_ray.models.tiny import build_tiny
 from ep_pair import CPU, POLL_S, ep_pair
 
@@ -40,11 +41,11 @@ def test_a_stopped_ep_rank_closes_its_group_so_the_others_fail_fast(tmp_path: Pa
         loop.start()
     try:
         time.sleep(0.5)  # the idle group checks in with each other
-        assert not runtimes[0].ep_lost
+        assert not runtimes[0].layout.ep_lost
         runtimes[1].stop()  # fenced
         loops[1].join(TIMEOUT_S)
         stopped = time.monotonic()
-        while not runtimes[0].ep_lost:
+        while not runtimes[0].layout.ep_lost:
             assert time.monotonic() - stopped < TIMEOUT_S / 3, "rank 0 still waits on the fenced rank's EP group"
             time.sleep(0.01)
         assert loops[0].is_alive()  # it waits for the re-formed layout
@@ -75,14 +76,15 @@ def test_a_layout_prepared_after_the_loop_stopped_closes_its_group(tmp_path: Pat
         thread.join(TIMEOUT_S)
     assert sorted(groups) == [0, 1]
     stack = load_ffn_stack(checkpoint, torch.float32, CPU, ep_rank=0, ep_size=2)
-    runtime = FFNRuntime(stack, FFNChannel("127.0.0.1", "gloo", TIMEOUT_S), torch.float32, POLL_S, 0.001,
-                         idle_poll_s=IDLE_POLL_S)  # fmt: skip
+    runtime = FFNRuntime(
+        stack, FFNChannel("127.0.0.1", "gloo", TIMEOUT_S), torch.float32, POLL_S, 0.001, idle_poll_s=IDLE_POLL_S
+    )
     loop = threading.Thread(target=runtime.run)
     loop.start()
     runtime.stop()
     loop.join(TIMEOUT_S)
     (moe, *_) = [block for block in stack.layers if isinstance(block, MoE)]
-    runtime.prepare_switch(LayoutSwitch(1, stack, EPGroup(groups.pop(0), moe.spec.num_experts, CPU)))
+    runtime.layout.prepare_switch(LayoutSwitch(1, stack, EPGroup(groups.pop(0), moe.spec.num_experts, CPU)))
     started = time.monotonic()
     with pytest.raises(RuntimeError):
         groups[1].allreduce([torch.zeros(1)]).wait()

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from afd_ray.connector.process_group import new_process_group
 from afd_ray.ffn.ep import EPGroup
 from afd_ray.ffn.model import load_ffn_stack
-from afd_ray.ffn.moe import MoE
+from afd_ray.layers.moe import MoE
 from afd_ray.models.tiny import build_tiny
 
 CPU = torch.device("cpu")

@@ -45,7 +45,7 @@ def test_an_idle_ep_group_checks_in_ever_less_often_and_still_serves(tmp_path: P
         loop.start()
     try:
         time.sleep(IDLE_S)
-        idle = [runtime.ep.agreements for runtime in runtimes.values()]
+        idle = [runtime.layout.ep.agreements for runtime in runtimes.values()]
         # Backing off from 2 ms to 20 ms: a few rounds to ramp up, then one per 20 ms
         # (about 55 in 1 s); without the backoff, up to 500.
         assert all(n <= 2 * IDLE_S / IDLE_POLL_S + 20 for n in idle), idle

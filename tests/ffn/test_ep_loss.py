@@ -24,8 +24,9 @@ from afd_ray.connector.link import PeerLostError
 from afd_ray.connector.process_group import new_process_group
 from afd_ray.ffn.ep import EPGroup
 from afd_ray.ffn.model import FFNStack, load_ffn_stack
-from afd_ray.ffn.moe import MoE
-from afd_ray.ffn.runtime import FFNRuntime, LayoutSwitch
+from afd_ray.layers.moe import MoE
+from afd_ray.ffn.layout import LayoutSwitch
+from afd_ray.ffn.runtime import FFNRuntime
 from afd_ray.models.tiny import build_tiny
 
 CPU = torch.device("cpu")
@@ -87,13 +88,13 @@ def test_a_sigkilled_ep_rank_costs_the_survivor_a_layout_switch_not_its_loop(tmp
             assert time.monotonic() - killed < TIMEOUT_S / 3
             attention.close()
             assert loop.is_alive() and survivor.channel.peers == []
-            survivor.prepare_switch(LayoutSwitch(1, full, None))  # the re-formed layout: one rank, every expert
+            survivor.layout.prepare_switch(LayoutSwitch(1, full, None))  # the re-formed layout: one rank, every expert
             again = AttentionChannel(survivor.channel.address, 0, 1, "shm", TIMEOUT_S)  # JOIN under epoch 1
             again.send_header(4, first_layer=1)
             for layer in range(1, full.num_layers):
                 torch.testing.assert_close(again.exchange(hidden * (layer + 1)), _expected(full, hidden, layer))
             again.close()
-        assert loop.is_alive() and survivor.epoch == 1
+        assert loop.is_alive() and survivor.layout.epoch == 1
     finally:
         if victim.is_alive():
             victim.kill()

@@ -7,9 +7,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
-from afd_ray.ffn.family import ffn_layout
 from afd_ray.ffn.model import FFNStack, load_ffn_stack
-from afd_ray.ffn.routing import Router, RoutingSpec
+from afd_ray.layers.family import ffn_layout
+from afd_ray.layers.routing import Router
+from afd_ray.layers.spec import RoutingSpec
 from afd_ray.models.tiny import tiny_config
 from afd_ray.weights import ffn_layer_params
 
@@ -20,9 +21,17 @@ def test_layouts():
     assert v3.moe_layers == {1, 2}
     assert v3.moe.shared_intermediate_size == 64
     assert v3.moe.routing == RoutingSpec(
-        num_experts=8, top_k=2, scoring="sigmoid", num_groups=4, top_groups=2, group_score="top2_sum",
-        correction_bias=True, renormalize=True, scaling_factor=2.5, float32_logits=False,
-    )  # fmt: skip
+        num_experts=8,
+        top_k=2,
+        scoring="sigmoid",
+        num_groups=4,
+        top_groups=2,
+        group_score="top2_sum",
+        correction_bias=True,
+        renormalize=True,
+        scaling_factor=2.5,
+        float32_logits=False,
+    )
     qwen = ffn_layout(tiny_config("qwen3_moe"))
     assert qwen.moe_layers == {0, 1} and qwen.moe.shared_intermediate_size == 0
     assert not qwen.moe.routing.float32_logits
@@ -64,7 +73,9 @@ def test_router_standalone_matches_stack(checkpoint):
     spec = ffn_layout(AutoConfig.from_pretrained(folder)).moe.routing
     router = Router(spec, stack.hidden_size, torch.float32)
     params = ffn_layer_params(folder)
-    router.load_state_dict({n.removeprefix("gate."): t for layer, n, t in params if layer == 2 and n.startswith("gate.")})
+    router.load_state_dict(
+        {n.removeprefix("gate."): t for layer, n, t in params if layer == 2 and n.startswith("gate.")}
+    )
     x = torch.randn(16, stack.hidden_size, generator=torch.Generator().manual_seed(3))
     assert torch.equal(router(x).ids, stack.layers[2].route(x).ids)
     assert torch.equal(router(x).weights, stack.layers[2].route(x).weights)

@@ -8,7 +8,7 @@ import torch
 
 from afd_ray.ffn.graphs import BucketGraphs, FFNGraphs, bucket_of, ffn_layer
 from afd_ray.ffn.model import load_ffn_stack
-from afd_ray.ffn.moe import MoE
+from afd_ray.layers.moe import MoE
 
 CPU = torch.device("cpu")
 

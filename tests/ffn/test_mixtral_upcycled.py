@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from afd_ray.ffn.model import load_ffn_stack
-from afd_ray.ffn.moe import MoE
+from afd_ray.layers.moe import MoE
 from afd_ray.models.embedded import SMOLLM2_MOE_EXPERTS, prepare_smollm2, prepare_smollm2_moe
 
 CPU = torch.device("cpu")

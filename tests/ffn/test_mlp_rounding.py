@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from vllm.model_executor.layers.activation import SiluAndMul
 
-from afd_ray.ffn.mlp import GatedMLP
+from afd_ray.layers.mlp import GatedMLP
 
 
 def test_activation_rounds_as_the_engine_mode_does() -> None:

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from afd_ray.ffn.family import MoEShape
-from afd_ray.ffn.moe import MoE
-from afd_ray.ffn.routing import RoutingSpec
+from afd_ray.layers.moe import MoE
+from afd_ray.layers.spec import MoEShape, RoutingSpec
 
 
 def sum_rounded_once(routed: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:

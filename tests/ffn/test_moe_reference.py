@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from afd_ray.ffn.model import load_ffn_stack
-from afd_ray.ffn.moe import MoE
+from afd_ray.layers.moe import MoE
 
 CPU = torch.device("cpu")
 T = 64
@@ -133,9 +133,16 @@ def _vllm_grouped_topk(gate, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     logits = torch.nn.functional.linear(x, gate.weight)  # [T, E] model dtype
     route = getattr(grouped_topk, "_torchdynamo_orig_callable", grouped_topk)
     return route(
-        x, logits, spec.top_k, spec.renormalize, spec.num_groups, spec.top_groups, spec.scoring,
-        spec.scaling_factor, gate.e_score_correction_bias,
-    )  # fmt: skip
+        x,
+        logits,
+        spec.top_k,
+        spec.renormalize,
+        spec.num_groups,
+        spec.top_groups,
+        spec.scoring,
+        spec.scaling_factor,
+        gate.e_score_correction_bias,
+    )
 
 
 def _vllm_grouped_topk_ids(gate, x: torch.Tensor) -> torch.Tensor:
@@ -148,9 +155,16 @@ def _vllm_grouped_topk_ids(gate, x: torch.Tensor) -> torch.Tensor:
     logits = torch.nn.functional.linear(x, gate.weight)  # [T, E] bfloat16
     route = getattr(grouped_topk, "_torchdynamo_orig_callable", grouped_topk)
     _, ids = route(
-        x, logits, spec.top_k, spec.renormalize, spec.num_groups, spec.top_groups, spec.scoring,
-        spec.scaling_factor, gate.e_score_correction_bias,
-    )  # fmt: skip
+        x,
+        logits,
+        spec.top_k,
+        spec.renormalize,
+        spec.num_groups,
+        spec.top_groups,
+        spec.scoring,
+        spec.scaling_factor,
+        gate.e_score_correction_bias,
+    )
     return ids
 
 
@@ -159,7 +173,7 @@ def test_deepseek_gate_in_float32_where_the_config_asks(checkpoint):
     its logits, in float32 in a bfloat16 model."""
     from transformers import AutoConfig
 
-    from afd_ray.ffn.family import ffn_layout
+    from afd_ray.layers.family import ffn_layout
 
     config = AutoConfig.from_pretrained(checkpoint("deepseek_v3"))
     assert not ffn_layout(config).moe.routing.float32_logits

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from afd_ray.compat import attention_backend
-from afd_ray.ffn.mlp import GatedMLP
 from afd_ray.ffn.model import load_ffn_stack
-from afd_ray.ffn.moe import MoE
+from afd_ray.layers.mlp import GatedMLP
+from afd_ray.layers.moe import MoE
 from afd_ray.models import Family
 from afd_ray.models.tiny import build_tiny, tiny_config
 
@@ -64,8 +64,14 @@ def _vllm_ffn_params(folder: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str,
         params.update({n: p.detach().clone() for n, p in model.named_parameters() if ".mlp." in n})
 
     monkeypatch.setattr(DummyModelLoader, "load_weights", recording)
-    llm = LLM(model=str(folder), dtype="float32", enforce_eager=True, max_model_len=128, load_format="dummy",
-              attention_backend=attention_backend(folder, "float32"))  # fmt: skip
+    llm = LLM(
+        model=str(folder),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=128,
+        load_format="dummy",
+        attention_backend=attention_backend(folder, "float32"),
+    )
     del llm
     gc.collect()
     cleanup_dist_env_and_memory()
@@ -94,8 +100,11 @@ def test_ffn_dummy_weights_equal_plain_vllm_dummy_weights(
         mlps = {"": block} if isinstance(block, GatedMLP) else {}
         if isinstance(block, MoE):
             assert block.gate is not None
-            pairs = [("gate.weight", block.gate.weight), ("experts.w13_weight", block.experts.gate_up),
-                     ("experts.w2_weight", block.experts.down)]  # fmt: skip
+            pairs = [
+                ("gate.weight", block.gate.weight),
+                ("experts.w13_weight", block.experts.gate_up),
+                ("experts.w2_weight", block.experts.down),
+            ]
             if block.gate.e_score_correction_bias is not None:
                 pairs.append(("gate.e_score_correction_bias", block.gate.e_score_correction_bias))
             if block.shared_experts is not None:

@@ -18,14 +18,13 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from afd_ray.connector.channel import AttentionChannel, FFNAddress, FFNChannel
-from afd_ray.connector.header import HeaderKind, StepHeader
+from afd_ray.connector.channel import AttentionChannel, FFNChannel
+from afd_ray.connector.header import FFNAddress, HeaderKind, StepHeader
 from afd_ray.ffn.model import FFNStack, load_ffn_stack
 from afd_ray.ffn.runtime import FFNRuntime
 from afd_ray.models.tiny import build_tiny
 
 WINDOW_S = 0.05
-
 
 
 @pytest.fixture
@@ -67,9 +66,7 @@ def _open(runtime: FFNRuntime, peer: int) -> AttentionChannel:
     return AttentionChannel(runtime.channel.address, peer, 0, ("shm", "gloo")[peer % 2], timeout_s=30)
 
 
-def _attention_peer(
-    runtime: FFNRuntime, channel: AttentionChannel, sizes: list[int], errors: list[str]
-) -> None:
+def _attention_peer(runtime: FFNRuntime, channel: AttentionChannel, sizes: list[int], errors: list[str]) -> None:
     peer = channel.peer
     generator = torch.Generator().manual_seed(peer)
     with torch.inference_mode():
@@ -79,7 +76,9 @@ def _attention_peer(
             got = [channel.exchange(hidden * (layer + 1)) for layer in range(runtime.model.num_layers)]
             for layer, (out, expected) in enumerate(zip(got, _layers_of(runtime.model, hidden))):
                 if not torch.allclose(out, expected, rtol=1e-5, atol=1e-5):
-                    errors.append(f"peer {peer}, T={tokens}, layer {layer}: wrong rows {(out - expected).abs().max():.3g}")
+                    errors.append(
+                        f"peer {peer}, T={tokens}, layer {layer}: wrong rows {(out - expected).abs().max():.3g}"
+                    )
     channel.close()
 
 
@@ -212,7 +211,9 @@ def test_with_two_ubatches_a_peer_is_served_while_the_other_is_late(stack: FFNSt
             waited = time.perf_counter() - start
             torch.testing.assert_close(out, runtime.model(0, hidden))
             for layer in range(1, runtime.model.num_layers):
-                torch.testing.assert_close(first.exchange(hidden * (layer + 1)), runtime.model(layer, hidden * (layer + 1)))
+                torch.testing.assert_close(
+                    first.exchange(hidden * (layer + 1)), runtime.model(layer, hidden * (layer + 1))
+                )
         thread.join(30)
         assert (waited < 1.0) if ubatches == 2 else (waited > 1.9), waited
         first.close()
@@ -238,7 +239,9 @@ def test_a_peer_announcing_its_next_step_early_gets_both_served(runtime: FFNRunt
         for tokens in (3, 5):
             hidden = torch.randn(tokens, runtime.model.hidden_size)
             for layer in range(runtime.model.num_layers):
-                torch.testing.assert_close(ahead.exchange(hidden * (layer + 1)), runtime.model(layer, hidden * (layer + 1)))
+                torch.testing.assert_close(
+                    ahead.exchange(hidden * (layer + 1)), runtime.model(layer, hidden * (layer + 1))
+                )
     late.join(60)
     assert errors == []
     _wait_for_steps(runtime, 2)

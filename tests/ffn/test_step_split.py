@@ -27,7 +27,6 @@ STEP_GAP_S = 0.03
 STEPS = 10
 
 
-
 @pytest.fixture
 def runtime(stack: FFNStack):
     channel = FFNChannel("127.0.0.1", "gloo", timeout_s=30)
