@@ -26,9 +26,12 @@ def plain_llm(checkpoint: str, max_model_len: int, kv_cache_memory_bytes: int) -
     with pytest.MonkeyPatch.context() as env:
         env.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         llm = LLM(
-            checkpoint, dtype="float32", enforce_eager=True,
-            max_model_len=max_model_len, kv_cache_memory_bytes=kv_cache_memory_bytes,
-        )  # fmt: skip
+            checkpoint,
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=max_model_len,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+        )
         try:
             yield llm
         finally:

@@ -1,9 +1,10 @@
 """The vLLM engine of one attention rank: its engine args and its process environment.
 
 Everything vLLM-specific that the config tree decides lives here. What makes the
-engine an AFD attention rank is two arguments: `hf_overrides` swaps the checkpoint's
-architecture for its AFD class (attention role only, MLPs behind `remote_ffn`), and
-`worker_extension_cls` adds AFD inspection to vLLM's worker.
+engine an AFD attention rank is three arguments: `hf_overrides` swaps the checkpoint's
+architecture for its AFD class (attention role only, MLPs behind `remote_ffn`),
+`worker_extension_cls` gives vLLM's worker its FFN client and AFD inspection, and
+`additional_config` (an `FFNPeerConfig`) names the FFN peer that client opens first.
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ from vllm.config import CompilationConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.platforms import current_platform
 
+from afd_ray.attention.ffn_client import FFNPeerConfig
 from afd_ray.attention.ffn_op import SPLITTING_OPS
 from afd_ray.attention.plugin import afd_architecture
 from afd_ray.compat import attention_backend, splitting_ops_with
 from afd_ray.attention.worker import AFDWorkerExtension
 from afd_ray.attention.models.base import GATE_ON_ATTENTION
 from afd_ray.config import AttentionPoolConfig, GatePlacement, ModelConfig
+from afd_ray.control.membership import AttentionAssignment
 
 __all__ = ["afd_compilation_config", "engine_args", "engine_env"]
 
@@ -27,7 +30,11 @@ GIB = 1 << 30
 
 
 def engine_args(
-    model: ModelConfig, attention: AttentionPoolConfig, checkpoint: Path, gate_placement: GatePlacement
+    model: ModelConfig,
+    attention: AttentionPoolConfig,
+    checkpoint: Path,
+    gate_placement: GatePlacement,
+    assignment: AttentionAssignment | None = None,
 ) -> AsyncEngineArgs:
     """The `AsyncLLM` arguments of one attention rank.
 
@@ -39,6 +46,9 @@ def engine_args(
             config attribute `afd_gate_on_attention`.
         checkpoint: a local Hugging Face folder (config.json, safetensors,
             tokenizer), as returned by `afd_ray.models.embedded.resolve_checkpoint`.
+        assignment: the FFN peer the worker pairs with when vLLM builds the model
+            (`FFNPeerConfig`, vLLM's `additional_config`, kept out of its compile-cache
+            key). None: no FFN peer (the plain baseline, or arguments only inspected).
 
     Raises:
         ValueError: the checkpoint's architecture has no AFD class (names `model.source`).
@@ -71,6 +81,7 @@ def engine_args(
         },
         worker_extension_cls=f"{AFDWorkerExtension.__module__}.{AFDWorkerExtension.__qualname__}",
         compilation_config=afd_compilation_config(attention),
+        additional_config={} if assignment is None else FFNPeerConfig(assignment=assignment),
     )
 
 

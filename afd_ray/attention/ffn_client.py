@@ -1,32 +1,34 @@
 """The attention side's FFN client: one per vLLM worker process.
 
-The runtime, not the model, owns the connector. The AttentionServer puts its
-`AttentionAssignment` into the environment variable `AFD_RAY_ASSIGNMENT` before it
-starts the vLLM engine; the engine's worker process inherits it, and the first call of
-the `afd_ray::remote_ffn_out` op (or `afd_connect`) opens the pair link from it. vLLM's
-own profile and warm-up forwards therefore already run through the FFN peer.
+The runtime, not the model, owns the connector. The AttentionServer hands its first
+`AttentionAssignment` to the engine inside vLLM's own config (`FFNPeerConfig`, the
+engine's `additional_config`); the worker opens the pair link from it when vLLM builds
+the AFD model (`afd_ray.attention.worker`), so vLLM's own profile and warm-up forwards
+already run through the FFN peer. The model's ops find the client through one hook,
+`afd_ray.attention.ffn_op.use_ffn_client`.
 
 The client uses only the connector contract (`afd_ray.connector.link.AttentionLink`);
 `AttentionChannel` opens the transport the assignment names.
 
 An FFN peer that dies inside a forward pass costs a pause, not the pass (docs/failures.md):
 on `PeerLostError` the client asks its `AttentionServer` (over the assignment's
-`rescue` endpoint) for the new peer the coordinator assigns once it re-formed the FFN
-layout, joins it, announces the rest of the step (`first_layer` = the current layer)
-and repeats the current layer's exchange. The FFN side holds no request state, so the
-result is the same; vLLM never sees an error. Past `peer_lost_wait_s` the error is
-raised (the engine fails; its requests end with an explicit error).
+`rescue` endpoint, `afd_ray.attention.member`) for the new peer the coordinator assigns
+once it re-formed the FFN layout, joins it, announces the rest of the step
+(`first_layer` = the current layer) and repeats the current layer's exchange. The FFN
+side holds no request state, so the result is the same; vLLM never sees an error. Past
+`peer_lost_wait_s` the error is raised (the engine fails; its requests end with an
+explicit error).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 
 import torch
 import zmq
+from pydantic import BaseModel, ConfigDict
 
 from afd_ray.connector.channel import AttentionChannel
 from afd_ray.connector.header import StepHeader
@@ -34,16 +36,9 @@ from afd_ray.connector.link import AttentionLink, PeerLostError
 from afd_ray.control.membership import AttentionAssignment
 from afd_ray.observability.steps import AttentionStep, StepRing
 
-__all__ = [
-    "ASSIGNMENT_ENV", "FFNClient", "capturing", "ffn_client", "record_steps", "repeer_ffn_client", "reset_ffn_client",
-    "take_steps",
-]
-
-ASSIGNMENT_ENV = "AFD_RAY_ASSIGNMENT"
+__all__ = ["FFNClient", "FFNPeerConfig", "capturing", "record_steps", "take_steps"]
 
 logger = logging.getLogger(__name__)
-
-_client: FFNClient | None = None
 
 _CAPTURABLE = ("cuda_ipc",)
 """Transports whose exchange is queued on the current CUDA stream with device-side
@@ -72,6 +67,26 @@ def record_steps(capacity: int, request_ids: Callable[[], list[str]]) -> None:
 def take_steps() -> list[AttentionStep]:
     """The step records finished since the previous call, oldest first."""
     return _steps.take_new()
+
+
+class FFNPeerConfig(BaseModel):
+    """vLLM's `additional_config` of an AFD attention engine: the FFN peer its worker
+    pairs with first (`afd_ray.attention.engine.engine_args`).
+
+    vLLM hashes `additional_config` into `VllmConfig.compute_hash`, the key of its
+    torch.compile cache: as a dict, by its JSON. The assignment's ports and epoch change
+    at every start and do not change the compiled graph (the exchange runs in opaque
+    custom ops), so this object's `compute_hash` leaves them out; a dict would miss
+    the cache at every start.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    assignment: AttentionAssignment
+
+    def compute_hash(self) -> str:
+        """This config's part of vLLM's compile-cache key: a constant (see the class docstring)."""
+        return "afd_ray.ffn_peer"
 
 
 class FFNClient:
@@ -107,6 +122,11 @@ class FFNClient:
         self.replays = 0
         """Forward passes announced as whole-step graph replays (`begin_step(replayed=True)`)."""
 
+    def close(self) -> None:
+        """Keep the last step's timing record and close the pair link (LEAVE)."""
+        self._record()
+        self.link.close()
+
     def begin_step(self, num_tokens: int, replayed: bool = False) -> None:
         """Send the STEP header of a forward pass of `num_tokens` rows; `replayed`: a
         captured whole-step graph runs it (counted in `replays`)."""
@@ -138,9 +158,7 @@ class FFNClient:
         if capturing():
             return self._captured(hidden, topk, out)
         if hidden.shape[0] != self._step_tokens:
-            raise ValueError(
-                f"layer {layer}: {hidden.shape[0]} rows in a step announced with {self._step_tokens}"
-            )
+            raise ValueError(f"layer {layer}: {hidden.shape[0]} rows in a step announced with {self._step_tokens}")
         if _steps.capacity == 0:
             return self._exchange(hidden, layer, topk, out)
         start = time.perf_counter()
@@ -178,10 +196,18 @@ class FFNClient:
         """Keep the finished step's timing record."""
         header = self._header
         if header is not None:
-            _steps.append(AttentionStep(
-                header.peer, header.epoch, header.step_id, self._start_s, header.num_tokens, self._exchange_s,
-                self._requests, self._replayed,
-            ))  # fmt: skip
+            _steps.append(
+                AttentionStep(
+                    header.peer,
+                    header.epoch,
+                    header.step_id,
+                    self._start_s,
+                    header.num_tokens,
+                    self._exchange_s,
+                    self._requests,
+                    self._replayed,
+                )
+            )
 
     def _resume(
         self,
@@ -197,8 +223,9 @@ class FFNClient:
         Raises:
             PeerLostError: no new peer answered within `peer_lost_wait_s`.
         """
-        logger.warning("FFN peer %d lost at layer %d (%s); waiting for a new peer", self.assignment.ffn_rank,
-                       layer, lost)  # fmt: skip
+        logger.warning(
+            "FFN peer %d lost at layer %d (%s); waiting for a new peer", self.assignment.ffn_rank, layer, lost
+        )
         started = time.monotonic()
         deadline = started + self.assignment.peer_lost_wait_s
         _close(self.link)
@@ -207,7 +234,6 @@ class FFNClient:
             if assignment is None:
                 break
             self.assignment = assignment
-            os.environ[ASSIGNMENT_ENV] = assignment.model_dump_json()
             try:
                 self.link = _open(assignment)  # JOIN: admitted at the new peer's next step boundary
                 self._header = self.link.send_header(self._step_tokens, first_layer=layer)
@@ -217,11 +243,18 @@ class FFNClient:
                 _close(self.link)
                 continue
             self.resumes += 1
-            logger.warning("forward pass resumed at layer %d on FFN peer %d (epoch %d) after %.2f s", layer,
-                           assignment.ffn_rank, assignment.epoch, time.monotonic() - started)  # fmt: skip
+            logger.warning(
+                "forward pass resumed at layer %d on FFN peer %d (epoch %d) after %.2f s",
+                layer,
+                assignment.ffn_rank,
+                assignment.epoch,
+                time.monotonic() - started,
+            )
             return answer
-        raise PeerLostError(self.assignment.peer, f"no new FFN peer within {self.assignment.peer_lost_wait_s} s "
-                            "(connector.peer_lost_wait_s)") from lost  # fmt: skip
+        raise PeerLostError(
+            self.assignment.peer,
+            f"no new FFN peer within {self.assignment.peer_lost_wait_s} s (connector.peer_lost_wait_s)",
+        ) from lost
 
 
 def _open(assignment: AttentionAssignment) -> AttentionLink:
@@ -249,49 +282,3 @@ def _ask_rescue(current: AttentionAssignment, wait_s: float) -> AttentionAssignm
         if not socket.poll(int(wait_s * 1000)):
             return None
         return AttentionAssignment.model_validate_json(socket.recv_string())
-
-
-def ffn_client() -> FFNClient:
-    """This process's client, opened on first use from `AFD_RAY_ASSIGNMENT`.
-
-    Raises:
-        RuntimeError: the variable is unset (the AFD model runs outside an AttentionServer).
-    """
-    global _client
-    if _client is None:
-        raw = os.environ.get(ASSIGNMENT_ENV)
-        if raw is None:
-            raise RuntimeError(f"{ASSIGNMENT_ENV} is unset: AFD models run only inside an AttentionServer")
-        _client = FFNClient(AttentionAssignment.model_validate_json(raw))
-    return _client
-
-
-def reset_ffn_client() -> None:
-    """Close this process's client, if open, and forget it; the next `ffn_client()`
-    opens a new one from the then-current `AFD_RAY_ASSIGNMENT`.
-
-    For processes that run several AFD engines one after another in-process
-    (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, as tests do): each engine needs the channel
-    of its own FFN peer, not the cached one of the previous engine.
-    """
-    global _client
-    if _client is not None:
-        _client._record()
-        _client.link.close()
-        _client = None
-
-
-def repeer_ffn_client(assignment: AttentionAssignment) -> None:
-    """Move this process's client to the FFN peer of `assignment`: close the old pair
-    (LEAVE), then open the new one (JOIN under `assignment.epoch`; blocks until the new
-    FFN peer admits it at its next step boundary). Call between two forward passes.
-
-    Raises:
-        RuntimeError / DistStoreError: the new peer did not admit it within the timeout.
-    """
-    global _client
-    if _client is not None and _client.assignment.epoch >= assignment.epoch:
-        return  # already there: it moved inside a forward pass when its old peer died
-    reset_ffn_client()
-    os.environ[ASSIGNMENT_ENV] = assignment.model_dump_json()
-    _client = FFNClient(assignment)

@@ -24,18 +24,58 @@ replay is announced by `announce_replay` from vLLM's runner
 (`afd_ray.attention.model_state`). In that graph the ops are device work only: the
 `cuda_ipc` copies and signal put/wait, at the addresses seen at capture (the peer's
 slots, and `out` from the graph's pool).
+
+The ops reach this process's `FFNClient` through one hook: the worker binds it with
+`use_ffn_client` (`afd_ray.attention.worker`, which opens, moves and closes it); tests
+that call the ops directly bind one of their own.
 """
 
 from __future__ import annotations
 
 import torch
 
-from afd_ray.attention.ffn_client import capturing, ffn_client
+from afd_ray.attention.ffn_client import FFNClient, capturing
 
-__all__ = ["SPLITTING_OPS", "announce_replay", "begin_ffn_step", "remote_ffn", "remote_moe"]
+__all__ = [
+    "SPLITTING_OPS",
+    "announce_replay",
+    "begin_ffn_step",
+    "bound_ffn_client",
+    "ffn_client",
+    "remote_ffn",
+    "remote_moe",
+    "use_ffn_client",
+]
 
 SPLITTING_OPS = ("afd_ray::remote_ffn_out", "afd_ray::remote_moe_out")
 """The FFN boundary ops, by vLLM's `namespace::name`: its piecewise capture splits at them."""
+
+_client: FFNClient | None = None
+"""The client the ops of this process use (`use_ffn_client`)."""
+
+
+def use_ffn_client(client: FFNClient | None) -> None:
+    """Make `client` the one the FFN boundary ops of this process exchange through
+    (None: none). The caller owns it: the client bound before is not closed here."""
+    global _client
+    _client = client
+
+
+def bound_ffn_client() -> FFNClient | None:
+    """The client `use_ffn_client` bound last (None: none)."""
+    return _client
+
+
+def ffn_client() -> FFNClient:
+    """The bound client.
+
+    Raises:
+        RuntimeError: none is bound (an AFD model runs only in an engine built with
+            an `FFNPeerConfig`, `afd_ray.attention.engine.engine_args`).
+    """
+    if _client is None:
+        raise RuntimeError("no FFN client: AFD models run only in an engine built with an FFNPeerConfig")
+    return _client
 
 
 def begin_ffn_step(num_tokens: int) -> None:
@@ -105,7 +145,7 @@ def remote_ffn(hidden: torch.Tensor, layer: int, parts: int | None = None) -> to
     """FFN of decoder layer `layer`, computed by the FFN pool: `hidden` `[T, H]`
     (post-attention norm, model dtype) -> `[T, H]`, same dtype and device; with
     `parts`, an MoE layer's split output `[T, parts, H]`
-    (`afd_ray.ffn.family.MoEShape.split_output`)."""
+    (`afd_ray.layers.spec.MoEShape.split_output`)."""
     out = _out(hidden, parts)
     torch.ops.afd_ray.remote_ffn_out(hidden, out, layer)
     return out

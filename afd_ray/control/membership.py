@@ -10,9 +10,9 @@ from enum import Enum
 
 from pydantic import BaseModel, ConfigDict
 
-from afd_ray.autoscale.policy import MetricsSnapshot
-from afd_ray.connector.channel import FFNAddress
-from afd_ray.connector.link import Transport
+from afd_ray.autoscale.schema import MetricsSnapshot
+from afd_ray.connector.header import FFNAddress
+from afd_ray.connector.transports import Transport
 from afd_ray.observability.timeline import StepSplit
 from afd_ray.platform import Backend
 
@@ -87,7 +87,7 @@ class AttentionAssignment(_Record):
     control_port: int
     epoch: int
     transport: Transport
-    """Data plane of the pair (`afd_ray.connector.link.select_transport`)."""
+    """Data plane of the pair (`afd_ray.connector.transports.select_transport`)."""
     timeout_s: float
     """Bound on rendezvous and on every receive, seconds."""
     rescue: str = ""

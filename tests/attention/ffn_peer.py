@@ -1,6 +1,6 @@
 """A real FFN peer in the test process: an FFN runtime over `shm` serving an FFN stack,
-with this process's `ffn_client()` assigned to it, so AFD model code calls it as an
-attention rank would."""
+with an `FFNClient` on it bound as this process's (`ffn_op.use_ffn_client`), so AFD
+model code calls it as an attention rank would."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import pytest
 import torch
 
-from afd_ray.attention.ffn_client import ASSIGNMENT_ENV, reset_ffn_client
+from afd_ray.attention.ffn_client import FFNClient
+from afd_ray.attention.ffn_op import use_ffn_client
+from afd_ray.attention.worker import close_ffn_client
 from afd_ray.connector.channel import FFNChannel
 from afd_ray.control.membership import AttentionAssignment
 from afd_ray.ffn.model import FFNStack
@@ -19,7 +20,7 @@ from afd_ray.ffn.runtime import FFNRuntime
 
 
 @contextmanager
-def ffn_peer(stack: FFNStack, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch, timeout_s: float) -> Iterator[FFNStack]:
+def ffn_peer(stack: FFNStack, dtype: torch.dtype, timeout_s: float) -> Iterator[FFNStack]:
     """Serve `stack` (activations in `dtype`) until the block ends, then close the
     client and stop the runtime; every wait of either side is bounded by `timeout_s`."""
     channel = FFNChannel("127.0.0.1", "gloo", timeout_s=timeout_s)
@@ -28,13 +29,19 @@ def ffn_peer(stack: FFNStack, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatc
     loop.start()
     address = channel.address
     assignment = AttentionAssignment(
-        peer=0, ffn_rank=0, host=address.host, store_port=address.store_port, control_port=address.control_port,
-        epoch=0, transport="shm", timeout_s=timeout_s,
-    )  # fmt: skip
-    monkeypatch.setenv(ASSIGNMENT_ENV, assignment.model_dump_json())
+        peer=0,
+        ffn_rank=0,
+        host=address.host,
+        store_port=address.store_port,
+        control_port=address.control_port,
+        epoch=0,
+        transport="shm",
+        timeout_s=timeout_s,
+    )
     try:
+        use_ffn_client(FFNClient(assignment))
         yield stack
     finally:
-        reset_ffn_client()
+        close_ffn_client()
         runtime.stop()
         loop.join(timeout_s)

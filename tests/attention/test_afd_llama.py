@@ -4,7 +4,7 @@ transport `auto` picks on one node.
 Both go through the session's application (`client` fixture: SmolLM2-135M-Instruct,
 float32, 1A:1F; `connector.transport: auto`, so `shm` on the one Ray node) and
 compare with vLLM without AFD on the same checkpoint. The gloo transport is served
-end to end by `tests/serve/test_two_nodes.py` (pools on two Ray nodes), and the
+end to end by `tests/e2e/test_two_nodes.py` (pools on two Ray nodes), and the
 config override of `auto` is checked in `tests/connector/test_link.py`.
 """
 
@@ -45,8 +45,11 @@ def plain_tokens(args: dict[str, object]) -> list[list[int]]:
 
 def _afd_token_ids(client: httpx.Client, prompt: str, route: str = "") -> list[int]:
     body = {
-        "model": "smollm2", "prompt": prompt, "max_tokens": MAX_TOKENS,
-        "temperature": 0, "return_token_ids": True,
+        "model": "smollm2",
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "return_token_ids": True,
     }
     response = client.post(f"{route}/v1/completions", json=body)
     assert response.status_code == 200, response.text

@@ -19,7 +19,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from afd_ray.attention.ffn_client import ASSIGNMENT_ENV, reset_ffn_client
+from afd_ray.attention.ffn_client import FFNPeerConfig
+from afd_ray.attention.worker import close_ffn_client
 from afd_ray.attention.plugin import afd_architecture
 from afd_ray.connector.channel import FFNChannel
 from afd_ray.control.membership import AttentionAssignment
@@ -89,16 +90,24 @@ def runs() -> Iterator[Runs]:
         loop.start()
         address = channel.address
         assignment = AttentionAssignment(
-            peer=0, ffn_rank=0, host=address.host, store_port=address.store_port,
-            control_port=address.control_port, epoch=0, transport="gloo", timeout_s=TIMEOUT_S,
-        )  # fmt: skip
-        env.setenv(ASSIGNMENT_ENV, assignment.model_dump_json())
+            peer=0,
+            ffn_rank=0,
+            host=address.host,
+            store_port=address.store_port,
+            control_port=address.control_port,
+            epoch=0,
+            transport="gloo",
+            timeout_s=TIMEOUT_S,
+        )
         try:
             afd, afd_params = _generate(
-                prompts, **engine_args, hf_overrides={"architectures": [afd_architecture(folder)]}
+                prompts,
+                **engine_args,
+                hf_overrides={"architectures": [afd_architecture(folder)]},
+                additional_config=FFNPeerConfig(assignment=assignment),
             )
         finally:
-            reset_ffn_client()  # the engine's worker ran in this process
+            close_ffn_client()  # the engine's worker ran in this process
             runtime.stop()
             loop.join(TIMEOUT_S)
         answer = tokenizer.decode(plain[0], skip_special_tokens=True)

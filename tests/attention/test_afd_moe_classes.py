@@ -25,7 +25,8 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from afd_ray.attention.ffn_client import ASSIGNMENT_ENV, reset_ffn_client
+from afd_ray.attention.ffn_client import FFNPeerConfig
+from afd_ray.attention.worker import close_ffn_client
 from afd_ray.attention.plugin import afd_architecture
 from afd_ray.compat import attention_backend
 from afd_ray.connector.channel import FFNChannel
@@ -120,8 +121,13 @@ def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     with pytest.MonkeyPatch.context() as env:
         env.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         env.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-        engine_args = dict(model=str(folder), dtype="float32", enforce_eager=True, max_model_len=256,
-                           attention_backend=attention_backend(folder, "float32"))
+        engine_args = dict(
+            model=str(folder),
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=256,
+            attention_backend=attention_backend(folder, "float32"),
+        )
         plain, plain_params = _generate(**engine_args)
 
         ffn = TransformersFFN(folder)
@@ -131,16 +137,23 @@ def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
         loop.start()
         address = channel.address
         assignment = AttentionAssignment(
-            peer=0, ffn_rank=0, host=address.host, store_port=address.store_port,
-            control_port=address.control_port, epoch=0, transport="gloo", timeout_s=TIMEOUT_S,
+            peer=0,
+            ffn_rank=0,
+            host=address.host,
+            store_port=address.store_port,
+            control_port=address.control_port,
+            epoch=0,
+            transport="gloo",
+            timeout_s=TIMEOUT_S,
         )
-        env.setenv(ASSIGNMENT_ENV, assignment.model_dump_json())
         try:
             afd, afd_params = _generate(
-                **engine_args, hf_overrides={"architectures": [afd_architecture(folder)]}
+                **engine_args,
+                hf_overrides={"architectures": [afd_architecture(folder)]},
+                additional_config=FFNPeerConfig(assignment=assignment),
             )
         finally:
-            reset_ffn_client()  # the engine's worker ran in this process
+            close_ffn_client()  # the engine's worker ran in this process
             runtime.stop()
             loop.join(TIMEOUT_S)
         yield FamilyRun(family, plain, afd, plain_params, afd_params, runtime.stats)

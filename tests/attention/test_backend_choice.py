@@ -120,9 +120,13 @@ def test_deepseek_serves_in_each_dtype(dtype: str, tiny_dir: Callable[..., Path]
         from vllm.distributed import cleanup_dist_env_and_memory
 
         llm = LLM(
-            model=str(folder), dtype=dtype, enforce_eager=True, max_model_len=128,
-            kv_cache_memory_bytes=1 << 26, attention_backend=attention_backend(folder, dtype),
-        )  # fmt: skip
+            model=str(folder),
+            dtype=dtype,
+            enforce_eager=True,
+            max_model_len=128,
+            kv_cache_memory_bytes=1 << 26,
+            attention_backend=attention_backend(folder, dtype),
+        )
         params = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8)
         (out,) = llm.generate(["The quick brown fox"], params, use_tqdm=False)
         tokens = list(out.outputs[0].token_ids)

@@ -34,26 +34,24 @@ from ffn_peer import ffn_peer
 TOKENS = 6
 
 
-def _runtime(
-    family: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gate_on_attention: bool = False
-) -> Iterator[FFNStack]:
+def _runtime(family: str, tmp_path: Path, gate_on_attention: bool = False) -> Iterator[FFNStack]:
     """The FFN stack of a tiny `family` model, served by a real FFN runtime over `shm`
-    that this process's `ffn_client()` is assigned to."""
+    whose client this process's ops use."""
     checkpoint = build_tiny(family, tmp_path / family)
     stack = load_ffn_stack(Path(checkpoint), torch.float32, torch.device("cpu"), gate_on_attention=gate_on_attention)
-    with ffn_peer(stack, torch.float32, monkeypatch, timeout_s=10):
+    with ffn_peer(stack, torch.float32, timeout_s=10):
         yield stack
 
 
 @pytest.fixture
-def llama(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FFNStack]:
-    yield from _runtime("llama", tmp_path, monkeypatch)
+def llama(tmp_path: Path) -> Iterator[FFNStack]:
+    yield from _runtime("llama", tmp_path)
 
 
 @pytest.fixture
-def moe(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FFNStack]:
+def moe(tmp_path: Path) -> Iterator[FFNStack]:
     """`gate_on_attention`: the served stack holds the experts, not the routers."""
-    yield from _runtime("qwen3_moe", tmp_path, monkeypatch, gate_on_attention=True)
+    yield from _runtime("qwen3_moe", tmp_path, gate_on_attention=True)
 
 
 def _split(fn, *inputs: torch.Tensor) -> tuple[torch.Tensor, fx.GraphModule]:

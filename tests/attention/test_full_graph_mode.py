@@ -23,8 +23,8 @@ import torch
 from vllm.v1.worker.gpu.model_states.default import DefaultModelState
 
 from afd_ray.attention.engine import afd_compilation_config, engine_env
-from afd_ray.attention.ffn_client import ffn_client, take_steps
-from afd_ray.attention.ffn_op import SPLITTING_OPS, announce_replay, begin_ffn_step
+from afd_ray.attention.ffn_client import take_steps
+from afd_ray.attention.ffn_op import SPLITTING_OPS, announce_replay, begin_ffn_step, ffn_client
 from afd_ray.attention.model_state import AFDModelState
 from afd_ray.attention.plugin import AFD_ARCHITECTURES
 from afd_ray.config import AttentionPoolConfig
@@ -66,10 +66,10 @@ def test_every_afd_class_supplies_the_replay_announcing_model_state(arch: str) -
 
 
 @pytest.fixture
-def llama(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FFNStack]:
+def llama(tmp_path: Path) -> Iterator[FFNStack]:
     checkpoint = build_tiny("llama", tmp_path / "llama")
     stack = load_ffn_stack(Path(checkpoint), torch.float32, torch.device("cpu"))
-    with ffn_peer(stack, torch.float32, monkeypatch, timeout_s=10):
+    with ffn_peer(stack, torch.float32, timeout_s=10):
         yield stack
 
 

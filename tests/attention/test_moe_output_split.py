@@ -41,7 +41,7 @@ from afd_ray.attention.ffn_op import SPLITTING_OPS, begin_ffn_step, remote_ffn
 from afd_ray.attention.models.base import AFDDecoderLayer, combine_moe_parts
 from afd_ray.compat import splitting_ops_with
 from afd_ray.ffn.model import FFNStack, load_ffn_stack
-from afd_ray.ffn.moe import MoE
+from afd_ray.layers.moe import MoE
 from afd_ray.models.tiny import build_tiny
 from ffn_peer import ffn_peer
 
@@ -67,11 +67,11 @@ def checkpoint(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def served(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FFNStack]:
+def served(checkpoint: Path) -> Iterator[FFNStack]:
     """The tiny DeepSeek-V3's FFN stack for compiled attention engines (bfloat16),
-    served by a real FFN runtime over `shm` that this process's `ffn_client()` uses."""
+    served by a real FFN runtime over `shm` whose client this process's ops use."""
     stack = load_ffn_stack(checkpoint, torch.bfloat16, torch.device("cpu"), attention_compiled=True)
-    with ffn_peer(stack, torch.bfloat16, monkeypatch, timeout_s=TIMEOUT_S):
+    with ffn_peer(stack, torch.bfloat16, timeout_s=TIMEOUT_S):
         yield stack
 
 

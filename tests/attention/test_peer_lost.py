@@ -37,10 +37,17 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> FFNStack:
 def _assignment(channel: FFNChannel, epoch: int, transport: str, rescue: str, wait_s: float) -> AttentionAssignment:
     address = channel.address
     return AttentionAssignment(
-        peer=0, ffn_rank=epoch, host=address.host, store_port=address.store_port,
-        control_port=address.control_port, epoch=epoch, transport=transport, timeout_s=10, rescue=rescue,
+        peer=0,
+        ffn_rank=epoch,
+        host=address.host,
+        store_port=address.store_port,
+        control_port=address.control_port,
+        epoch=epoch,
+        transport=transport,
+        timeout_s=10,
+        rescue=rescue,
         peer_lost_wait_s=wait_s,
-    )  # fmt: skip
+    )
 
 
 def _dying_peer(channel: FFNChannel, hidden_size: int) -> None:
@@ -75,7 +82,10 @@ def test_pass_resumes_on_the_new_peer(stack: FFNStack, transport: str) -> None:
         held.append(AttentionAssignment.model_validate_json(server.recv_string()))
         server.send_string(_assignment(spare, 1, transport, rescue, 10).model_dump_json())
 
-    helpers = [threading.Thread(target=_dying_peer, args=(dying, stack.hidden_size)), threading.Thread(target=answer_rescue)]
+    helpers = [
+        threading.Thread(target=_dying_peer, args=(dying, stack.hidden_size)),
+        threading.Thread(target=answer_rescue),
+    ]
     for helper in helpers:
         helper.start()
     try:

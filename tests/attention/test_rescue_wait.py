@@ -8,15 +8,22 @@ from __future__ import annotations
 import asyncio
 import time
 
-from afd_ray.attention.server import next_assignment
+from afd_ray.attention.member import next_assignment
 from afd_ray.control.membership import AttentionAssignment, AttentionDirective, MemberState
 
 
 def _assignment(epoch: int, wait_s: float = 0.3) -> AttentionAssignment:
     return AttentionAssignment(
-        peer=0, ffn_rank=epoch, host="127.0.0.1", store_port=1, control_port=2, epoch=epoch, transport="shm",
-        timeout_s=1.0, peer_lost_wait_s=wait_s,
-    )  # fmt: skip
+        peer=0,
+        ffn_rank=epoch,
+        host="127.0.0.1",
+        store_port=1,
+        control_port=2,
+        epoch=epoch,
+        transport="shm",
+        timeout_s=1.0,
+        peer_lost_wait_s=wait_s,
+    )
 
 
 def _polls(*answers: AttentionDirective | None | Exception):

@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from afd_ray.attention.ffn_client import ASSIGNMENT_ENV, reset_ffn_client, take_steps
+from afd_ray.attention.ffn_client import FFNPeerConfig, take_steps
+from afd_ray.attention.worker import close_ffn_client
 from afd_ray.attention.plugin import afd_architecture
 from afd_ray.connector.channel import AttentionChannel, FFNChannel
 from afd_ray.control.membership import AttentionAssignment
@@ -87,15 +88,26 @@ def runs(monkeypatch_module: pytest.MonkeyPatch) -> Iterator[dict[str, Run]]:
     loop.start()
     address = channel.address
     assignment = AttentionAssignment(
-        peer=0, ffn_rank=0, host=address.host, store_port=address.store_port,
-        control_port=address.control_port, epoch=0, transport="gloo", timeout_s=TIMEOUT_S,
-    )  # fmt: skip
-    env.setenv(ASSIGNMENT_ENV, assignment.model_dump_json())
+        peer=0,
+        ffn_rank=0,
+        host=address.host,
+        store_port=address.store_port,
+        control_port=address.control_port,
+        epoch=0,
+        transport="gloo",
+        timeout_s=TIMEOUT_S,
+    )
     llm = LLM(
-        str(folder), dtype="float32", enforce_eager=True, max_model_len=256, kv_cache_memory_bytes=1 << 28,
-        hf_overrides={"architectures": [afd_architecture(folder)]}, disable_log_stats=False,
+        str(folder),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=256,
+        kv_cache_memory_bytes=1 << 28,
+        hf_overrides={"architectures": [afd_architecture(folder)]},
+        disable_log_stats=False,
         worker_extension_cls="afd_ray.attention.worker.AFDWorkerExtension",
-    )  # fmt: skip
+        additional_config=FFNPeerConfig(assignment=assignment),
+    )
     llm.collective_rpc("afd_connect", args=(4096,))
     # A second, longer request keeps the engine stepping after the traced one ends, so
     # that its last step has a successor (the end of its interval).
@@ -123,7 +135,7 @@ def runs(monkeypatch_module: pytest.MonkeyPatch) -> Iterator[dict[str, Run]]:
         per_step = {
             key: [sum(column) for column in zip(*timed[i * NUM_LAYERS : (i + 1) * NUM_LAYERS])]
             for i, key in enumerate(keys)
-        }  # fmt: skip
+        }
         own = [per_step[(s.attention_rank, s.epoch, s.step_id)] for s in steps]
         return Run(steps, tpot, [slept for slept, _ in own], [wrapped for _, wrapped in own])
 
@@ -145,7 +157,8 @@ def runs(monkeypatch_module: pytest.MonkeyPatch) -> Iterator[dict[str, Run]]:
     try:
         results = {"base": run("base")}
         for name, side, owner, op in (
-            ("ffn_compute", "ffn", FFNGraphs, "run"), ("transport", "attention", AttentionChannel, "exchange")
+            ("ffn_compute", "ffn", FFNGraphs, "run"),
+            ("transport", "attention", AttentionChannel, "exchange"),
         ):
             timed: list[tuple[float, float]] = []
             with pytest.MonkeyPatch.context() as patch:
@@ -153,10 +166,10 @@ def runs(monkeypatch_module: pytest.MonkeyPatch) -> Iterator[dict[str, Run]]:
                 results[name] = run(name, timed, side)
         yield results
     finally:
-        reset_ffn_client()
+        close_ffn_client()
         runtime.stop()
         loop.join(TIMEOUT_S)
-        del llm
+        llm = None  # the engine is freed before the distributed state is torn down
         gc.collect()
         cleanup_dist_env_and_memory()
         torch.set_num_threads(threads)
@@ -181,12 +194,13 @@ def test_parts_sum_to_vllms_time_per_output_token(runs: dict[str, Run], name: st
     assert run.mean("total_s") == pytest.approx(run.tpot_s, rel=0.10)
 
 
-
 def _report(name: str, run: Run) -> dict[str, float]:
     means = {part: run.mean(part) for part in PARTS}
     slept, wrapped = statistics.mean(run.slept_s) * 1e3, statistics.mean(run.wrapped_s) * 1e3
-    print(f"{name}: slept {slept:.1f} ms/step, with the op {wrapped:.1f} ms; parts (ms)",
-          {part: round(value * 1e3, 1) for part, value in means.items()})  # fmt: skip
+    print(
+        f"{name}: slept {slept:.1f} ms/step, with the op {wrapped:.1f} ms; parts (ms)",
+        {part: round(value * 1e3, 1) for part, value in means.items()},
+    )
     return means
 
 
