@@ -48,8 +48,10 @@ class AccessKeys:
         Raises:
             ValueError: a named variable is unset or empty (names the field and the variable).
         """
-        return cls(api=_read(ingress.api_key_env, "ingress.api_key_env"),
-                   admin=_read(ingress.admin_key_env, "ingress.admin_key_env"))  # fmt: skip
+        return cls(
+            api=_read(ingress.api_key_env, "ingress.api_key_env"),
+            admin=_read(ingress.admin_key_env, "ingress.admin_key_env"),
+        )
 
     def denied(self, request: Request, role: Role) -> str | None:
         """Why `request` may not use a route of `role` (its 401 message), or None."""
@@ -62,7 +64,6 @@ class AccessKeys:
         if not hmac.compare_digest(token.strip().encode(), key.get_secret_value().encode()):
             return f"wrong {role.value} key"
         return None
-
 
 
 def _read(variable: str | None, field: str) -> SecretStr | None:

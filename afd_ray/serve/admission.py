@@ -102,10 +102,12 @@ class Admission:
         if deadline_s is not None and load is not None:
             estimate = load.ttft_p90_s + (max_tokens or 0) * load.tpot_p90_s
             if estimate > deadline_s:
-                refusal = Refusal(HTTPStatus.TOO_MANY_REQUESTS,
-                                  f"{DEADLINE_HEADER}: {deadline_s * 1e3:.0f} ms cannot be met (p90 time to first "
-                                  f"token {load.ttft_p90_s * 1e3:.0f} ms + {max_tokens or 0} tokens x p90 time per "
-                                  f"output token {load.tpot_p90_s * 1e3:.1f} ms)")  # fmt: skip
+                refusal = Refusal(
+                    HTTPStatus.TOO_MANY_REQUESTS,
+                    f"{DEADLINE_HEADER}: {deadline_s * 1e3:.0f} ms cannot be met (p90 time to first "
+                    f"token {load.ttft_p90_s * 1e3:.0f} ms + {max_tokens or 0} tokens x p90 time per "
+                    f"output token {load.tpot_p90_s * 1e3:.1f} ms)",
+                )
                 self._refuse(refusal)
                 return refusal
         self._admitted += 1
@@ -122,8 +124,11 @@ class Admission:
         """The 503 refusal of any request while no attention rank is READY (the
         application is starting, or every attention rank is being replaced), or None."""
         if self.load is None or self.load.attention_ranks == 0:
-            return Refusal(HTTPStatus.SERVICE_UNAVAILABLE, "no attention rank is ready: the application is starting "
-                           "(or its attention ranks are being replaced); see GET /afd/status")  # fmt: skip
+            return Refusal(
+                HTTPStatus.SERVICE_UNAVAILABLE,
+                "no attention rank is ready: the application is starting "
+                "(or its attention ranks are being replaced); see GET /afd/status",
+            )
         return None
 
     def _check(self) -> Refusal | None:
@@ -138,16 +143,25 @@ class Admission:
         elif load.recovering:
             during = " (lost FFN ranks are being replaced)"
         if self.in_flight >= self.capacity:
-            return Refusal(status, f"{self.in_flight} requests in flight, the capacity of {load.attention_ranks} "
-                           f"attention ranks is {self.capacity} (attention.max_num_seqs + "
-                           f"ingress.max_queued_per_rank per rank){during}")  # fmt: skip
+            return Refusal(
+                status,
+                f"{self.in_flight} requests in flight, the capacity of {load.attention_ranks} "
+                f"attention ranks is {self.capacity} (attention.max_num_seqs + "
+                f"ingress.max_queued_per_rank per rank){during}",
+            )
         if load.kv_cache_usage >= cfg.max_kv_cache_usage:
-            return Refusal(status, f"KV cache {load.kv_cache_usage:.0%} used, at or above "
-                           f"ingress.max_kv_cache_usage {cfg.max_kv_cache_usage:.0%}{during}")  # fmt: skip
+            return Refusal(
+                status,
+                f"KV cache {load.kv_cache_usage:.0%} used, at or above "
+                f"ingress.max_kv_cache_usage {cfg.max_kv_cache_usage:.0%}{during}",
+            )
         bound = cfg.max_ffn_tokens_per_step
         if bound is not None and load.ffn_tokens_per_step >= bound:
-            return Refusal(status, f"FFN ranks run {load.ffn_tokens_per_step:.0f} token rows per step, at or above "
-                           f"ingress.max_ffn_tokens_per_step {bound}{during}")  # fmt: skip
+            return Refusal(
+                status,
+                f"FFN ranks run {load.ffn_tokens_per_step:.0f} token rows per step, at or above "
+                f"ingress.max_ffn_tokens_per_step {bound}{during}",
+            )
         return None
 
     def release(self, expired: bool = False) -> None:
@@ -163,8 +177,14 @@ class Admission:
     def state(self) -> AdmissionState:
         """What `/afd/status` shows under `admission`."""
         return AdmissionState(
-            in_flight=self.in_flight, capacity=self.capacity, admitted=self._admitted,
-            refused_429=self._refused_429, refused_503=self._refused_503, expired=self._expired, resumed=self._resumed,
-            last_refusal=self._last_refusal, load=self.load,
+            in_flight=self.in_flight,
+            capacity=self.capacity,
+            admitted=self._admitted,
+            refused_429=self._refused_429,
+            refused_503=self._refused_503,
+            expired=self._expired,
+            resumed=self._resumed,
+            last_refusal=self._last_refusal,
+            load=self.load,
             load_age_s=time.monotonic() - self._load_time if self.load is not None else 0.0,
-        )  # fmt: skip
+        )

@@ -6,8 +6,9 @@ from ray import serve
 from ray.serve import Application
 
 from afd_ray.attention.server import AttentionServer
-from afd_ray.autoscale.policy import AutoscalePolicy, load_policy
-from afd_ray.config import AFDConfig, IngressPlacement, Platform, PoolPlacement
+from afd_ray.autoscale.loader import load_policy
+from afd_ray.autoscale.schema import AutoscalePolicy
+from afd_ray.config import AFDConfig, IngressPlacement, PoolPlacement
 from afd_ray.control.coordinator import (
     ATTENTION_DEPLOYMENT,
     FFN_DEPLOYMENT,
@@ -15,7 +16,7 @@ from afd_ray.control.coordinator import (
 )
 from afd_ray.ffn.server import FFNServer
 from afd_ray.models.embedded import check_gate_placement
-from afd_ray.platform import actor_resources, resource_key
+from afd_ray.platform import Platform, actor_resources, resource_key
 from afd_ray.serve.access import AccessKeys
 from afd_ray.serve.ingress import Ingress
 
@@ -68,33 +69,54 @@ def build_app(args: dict[str, object]) -> Application:
     check_gate_placement(cfg.model, cfg.gate_placement)
     access = AccessKeys.from_env(cfg.ingress)
     policy = _load_policy(cfg.autoscale.policy) if cfg.autoscale.policy else None
-    coordinator = serve.deployment(Coordinator).options(
-        name="coordinator",
-        num_replicas=1,
-        # Resizes, draining members and joiners wait inside calls: never queue the
-        # members' polls and reports behind them.
-        max_ongoing_requests=_COORDINATOR_CALLS,
-        ray_actor_options={"num_cpus": 0},
-        # FFN ranks report counters several times a second: keep them out of the log.
-        logging_config={"enable_access_log": False},
-    ).bind(cfg.platform, cfg.connector, cfg.attention, cfg.ffn, cfg.autoscale, policy, cfg.observability)
-    ffn = serve.deployment(FFNServer).options(
-        name=FFN_DEPLOYMENT,
-        num_replicas=cfg.ffn.num_ranks,
-        graceful_shutdown_timeout_s=cfg.autoscale.resize_timeout_s,
-        **_member_placement(cfg.platform, cfg.ffn.bundle_resources, cfg.ffn.placement),
-        health_check_period_s=_HEALTH_CHECK_PERIOD_S,
-    ).bind(cfg.platform, cfg.model, cfg.ffn, cfg.connector, cfg.gate_placement, coordinator, cfg.observability,
-           attention_compiled=not cfg.attention.enforce_eager)
-    attention = serve.deployment(AttentionServer).options(
-        name=ATTENTION_DEPLOYMENT,
-        num_replicas=cfg.attention.num_ranks,
-        graceful_shutdown_timeout_s=cfg.autoscale.drain_timeout_s + _TEARDOWN_S,
-        health_check_period_s=_HEALTH_CHECK_PERIOD_S,
-        max_ongoing_requests=cfg.attention.max_num_seqs,
-        **_member_placement(cfg.platform, cfg.attention.bundle_resources, cfg.attention.placement),
-    ).bind(cfg.model, cfg.attention, cfg.connector, cfg.gate_placement, coordinator, cfg.autoscale,
-           cfg.observability)
+    coordinator = (
+        serve.deployment(Coordinator)
+        .options(
+            name="coordinator",
+            num_replicas=1,
+            # Resizes, draining members and joiners wait inside calls: never queue the
+            # members' polls and reports behind them.
+            max_ongoing_requests=_COORDINATOR_CALLS,
+            ray_actor_options={"num_cpus": 0},
+            # FFN ranks report counters several times a second: keep them out of the log.
+            logging_config={"enable_access_log": False},
+        )
+        .bind(cfg.platform, cfg.connector, cfg.attention, cfg.ffn, cfg.autoscale, policy, cfg.observability)
+    )
+    ffn = (
+        serve.deployment(FFNServer)
+        .options(
+            name=FFN_DEPLOYMENT,
+            num_replicas=cfg.ffn.num_ranks,
+            graceful_shutdown_timeout_s=cfg.autoscale.resize_timeout_s,
+            **_member_placement(cfg.platform, cfg.ffn.bundle_resources, cfg.ffn.placement),
+            health_check_period_s=_HEALTH_CHECK_PERIOD_S,
+        )
+        .bind(
+            cfg.platform,
+            cfg.model,
+            cfg.ffn,
+            cfg.connector,
+            cfg.gate_placement,
+            coordinator,
+            cfg.observability,
+            attention_compiled=not cfg.attention.enforce_eager,
+        )
+    )
+    attention = (
+        serve.deployment(AttentionServer)
+        .options(
+            name=ATTENTION_DEPLOYMENT,
+            num_replicas=cfg.attention.num_ranks,
+            graceful_shutdown_timeout_s=cfg.autoscale.drain_timeout_s + _TEARDOWN_S,
+            health_check_period_s=_HEALTH_CHECK_PERIOD_S,
+            max_ongoing_requests=cfg.attention.max_num_seqs,
+            **_member_placement(cfg.platform, cfg.attention.bundle_resources, cfg.attention.placement),
+        )
+        .bind(
+            cfg.model, cfg.attention, cfg.connector, cfg.gate_placement, coordinator, cfg.autoscale, cfg.observability
+        )
+    )
     ingress = serve.deployment(Ingress).options(
         name="ingress",
         max_ongoing_requests=cfg.ingress.max_ongoing_requests,

@@ -21,15 +21,15 @@ requests, chat completions included, end with an explicit SSE error event.
 
 from __future__ import annotations
 
-import json
+from vllm.entrypoints.openai.completion.protocol import CompletionRequest, CompletionStreamResponse
 
-from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+from afd_ray.attention.chunks import StreamEvent
 
 __all__ = ["StreamResume"]
 
 
 class StreamResume:
-    """Follows one streamed completion (its SSE events pass through `observe`) and
+    """Follows one streamed completion (its events pass through `observe`) and
     builds the request that continues it.
 
     Args:
@@ -53,38 +53,45 @@ class StreamResume:
         single = isinstance(request.prompt, str) or (
             isinstance(request.prompt, list) and all(isinstance(t, int) for t in request.prompt)
         )
-        return bool(request.stream and request.n == 1 and single and not request.echo and not request.stop
-                    and request.logprobs is None)  # fmt: skip
+        return bool(
+            request.stream
+            and request.n == 1
+            and single
+            and not request.echo
+            and not request.stop
+            and request.logprobs is None
+        )
 
     @property
     def request_for_rank(self) -> CompletionRequest:
         return self._request.model_copy(update={"return_token_ids": True})
 
-    def observe(self, event: str) -> str:
-        """Record the token ids of one SSE event of the rank and return the event the
+    def observe(self, event: StreamEvent) -> StreamEvent:
+        """Record the token ids of one event of the rank and return the event the
         client gets (its original stream id; token ids only if it asked for them)."""
-        if not event.startswith("data: {"):
-            return event
-        body = json.loads(event.removeprefix("data: "))
-        if "error" in body:
-            return event
+        chunk: CompletionStreamResponse = event.payload
         if self._id is None:
-            self._id = (body["id"], body["created"])
-        body["id"], body["created"] = self._id
-        for choice in body.get("choices") or []:
-            if self._prompt is None and choice.get("prompt_token_ids") is not None:
-                self._prompt = list(choice["prompt_token_ids"])
-            self._tokens += choice.get("token_ids") or []
+            self._id = (chunk.id, chunk.created)
+        choices = []
+        for choice in chunk.choices:
+            if self._prompt is None and choice.prompt_token_ids is not None:
+                self._prompt = list(choice.prompt_token_ids)
+            self._tokens += choice.token_ids or []
             if not self._show_ids:
-                choice["prompt_token_ids"] = choice["token_ids"] = None
-            elif self.resumes:
-                choice["prompt_token_ids"] = None  # the client got the original prompt's ids already
-        usage = body.get("usage")
-        if usage and self.resumes and self._prompt is not None:
-            usage["prompt_tokens"] = len(self._prompt)
-            usage["completion_tokens"] = len(self._tokens)
-            usage["total_tokens"] = len(self._prompt) + len(self._tokens)
-        return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+                choice = choice.model_copy(update={"prompt_token_ids": None, "token_ids": None})
+            elif self.resumes:  # the client got the original prompt's ids already
+                choice = choice.model_copy(update={"prompt_token_ids": None})
+            choices.append(choice)
+        update: dict[str, object] = {"id": self._id[0], "created": self._id[1], "choices": choices}
+        if chunk.usage and self.resumes and self._prompt is not None:
+            update["usage"] = chunk.usage.model_copy(
+                update={
+                    "prompt_tokens": len(self._prompt),
+                    "completion_tokens": len(self._tokens),
+                    "total_tokens": len(self._prompt) + len(self._tokens),
+                }
+            )
+        return StreamEvent(chunk.model_copy(update=update))
 
     def next_request(self) -> CompletionRequest | None:
         """The request that continues the stream on another rank (None: it had
@@ -95,7 +102,11 @@ class StreamResume:
         if remaining is not None and remaining <= 0:
             return None
         self.resumes += 1
-        return self._request.model_copy(update={
-            "prompt": self._prompt + self._tokens, "max_tokens": remaining, "return_token_ids": True,
-            "min_tokens": max(self._request.min_tokens - len(self._tokens), 0),
-        })  # fmt: skip
+        return self._request.model_copy(
+            update={
+                "prompt": self._prompt + self._tokens,
+                "max_tokens": remaining,
+                "return_token_ids": True,
+                "min_tokens": max(self._request.min_tokens - len(self._tokens), 0),
+            }
+        )

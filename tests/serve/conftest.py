@@ -20,11 +20,17 @@ def guarded(serve_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     checkpoint = build_tiny("llama", tmp_path_factory.mktemp("guarded") / "llama")
     args = {
         "model": {"source": str(checkpoint), "served_name": "tiny", "max_model_len": 512},
-        "ingress": {"max_ongoing_requests": 64, "max_queued_per_rank": QUEUED, "retry_after_s": 2,
-                    "body_timeout_s": BODY_TIMEOUT_S, "api_key_env": "AFD_TEST_API_KEY", "admin_key_env": "AFD_TEST_ADMIN_KEY"},
+        "ingress": {
+            "max_ongoing_requests": 64,
+            "max_queued_per_rank": QUEUED,
+            "retry_after_s": 2,
+            "body_timeout_s": BODY_TIMEOUT_S,
+            "api_key_env": "AFD_TEST_API_KEY",
+            "admin_key_env": "AFD_TEST_ADMIN_KEY",
+        },
         "attention": {"num_ranks": 1, "kv_cache_gib": 0.125, "max_num_seqs": MAX_NUM_SEQS, "bundle_resources": 0.5},
         "ffn": {"num_ranks": 1, "bundle_resources": 0.5},
-    }  # fmt: skip
+    }
     with pytest.MonkeyPatch.context() as env:
         env.setenv("AFD_TEST_API_KEY", API_KEY)
         env.setenv("AFD_TEST_ADMIN_KEY", ADMIN_KEY)

@@ -23,8 +23,15 @@ from afd_ray.serve.app import build_app
 
 
 def _completion(stream: bool = True, max_tokens: int = MAX_TOKENS) -> dict[str, object]:
-    return {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": stream, "return_token_ids": True}  # fmt: skip
+    return {
+        "model": "tiny",
+        "prompt": "The quick brown fox",
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+        "return_token_ids": True,
+    }
 
 
 @dataclass
@@ -42,8 +49,9 @@ class _Answer:
 def _send(http: httpx.Client, start: threading.Barrier, answers: list[_Answer], max_tokens: int) -> None:
     start.wait(60)
     sent = time.monotonic()
-    with http.stream("POST", "/v1/completions", json=_completion(max_tokens=max_tokens), headers=USER,
-                     timeout=120) as response:  # fmt: skip
+    with http.stream(
+        "POST", "/v1/completions", json=_completion(max_tokens=max_tokens), headers=USER, timeout=120
+    ) as response:
         answer = _Answer(response.status_code, time.monotonic() - sent, response.headers.get("retry-after"))
         for line in response.iter_lines():
             if line == "data: [DONE]":
@@ -57,7 +65,9 @@ def _send(http: httpx.Client, start: threading.Barrier, answers: list[_Answer], 
     answers.append(answer)
 
 
-def _burst(http: httpx.Client, n: int, max_tokens: int) -> tuple[list[_Answer], list[threading.Thread], threading.Barrier]:
+def _burst(
+    http: httpx.Client, n: int, max_tokens: int
+) -> tuple[list[_Answer], list[threading.Thread], threading.Barrier]:
     """`n` streams started together (once the returned barrier's last party, the
     caller, waits on it)."""
     answers: list[_Answer] = []
@@ -107,9 +117,11 @@ def _half_a_body(client: httpx.Client) -> bytes:
     half of the body their `Content-Length` announces."""
     url = client.base_url
     body = json.dumps(_completion(stream=False)).encode()
-    head = (f"POST {url.path.rstrip('/')}/v1/completions HTTP/1.1\r\nHost: {url.host}\r\n"
-            f"Authorization: {USER['Authorization']}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode()  # fmt: skip
+    head = (
+        f"POST {url.path.rstrip('/')}/v1/completions HTTP/1.1\r\nHost: {url.host}\r\n"
+        f"Authorization: {USER['Authorization']}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
     return head + body[: len(body) // 2]
 
 
@@ -190,10 +202,12 @@ def test_overload_is_refused_at_once(guarded: httpx.Client) -> None:
         thread.join(180)
     assert not any(thread.is_alive() for thread in long), "a held stream hung"
     assert all(a.status == 200 and a.done and a.tokens == HOLD_TOKENS for a in holders), holders
-    print(f"\noverload: {BURSTS} bursts, {len(burst)} refused; refusals in {median * 1e3:.0f} ms median, "
-          f"{p90 * 1e3:.0f} ms p90, {burst[-1] * 1e3:.0f} ms max; a refusal before its body in "
-          f"{unfinished_s * 1e3:.0f} ms; sequential refusals {min(probes) * 1e3:.1f} ms min, "
-          f"{statistics.median(probes) * 1e3:.1f} ms median, {max(probes) * 1e3:.1f} ms max")  # fmt: skip
+    print(
+        f"\noverload: {BURSTS} bursts, {len(burst)} refused; refusals in {median * 1e3:.0f} ms median, "
+        f"{p90 * 1e3:.0f} ms p90, {burst[-1] * 1e3:.0f} ms max; a refusal before its body in "
+        f"{unfinished_s * 1e3:.0f} ms; sequential refusals {min(probes) * 1e3:.1f} ms min, "
+        f"{statistics.median(probes) * 1e3:.1f} ms median, {max(probes) * 1e3:.1f} ms max"
+    )
     assert median < BURST_S, burst
     assert min(probes) < 0.1 and max(probes) < 1.0, probes
     _wait_admission(guarded, lambda a: a["in_flight"] == 0)
@@ -244,8 +258,11 @@ def test_deadline_header(guarded: httpx.Client) -> None:
     # refused as infeasible (latency samples exist) or aborted at the deadline: never served late
     assert response.status_code in (429, 504), response.text
     assert "x-request-deadline-ms" in response.json()["error"]["message"]
-    response = guarded.post("/v1/completions", json=_completion(stream=False, max_tokens=4),
-                            headers=USER | {"x-request-deadline-ms": "60000"})  # fmt: skip
+    response = guarded.post(
+        "/v1/completions",
+        json=_completion(stream=False, max_tokens=4),
+        headers=USER | {"x-request-deadline-ms": "60000"},
+    )
     assert response.status_code == 200, response.text
     assert guarded.get("/afd/status").json()["admission"]["in_flight"] == 0
 
@@ -253,12 +270,16 @@ def test_deadline_header(guarded: httpx.Client) -> None:
 ROUTES = [
     ("GET", "/v1/models", None, USER),
     ("POST", "/v1/completions", _completion(stream=False, max_tokens=2), USER),
-    ("POST", "/v1/chat/completions",
-     {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}, USER),
+    (
+        "POST",
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        USER,
+    ),
     ("POST", "/afd/scale", {"attention": 1, "ffn": 1}, ADMIN),
     ("POST", "/afd/autoscale/resume", None, ADMIN),
     ("POST", "/afd/autoscale/policy", {}, ADMIN),  # an empty policy: 1:1, no signals
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("method", "route", "body", "key"), ROUTES, ids=[r[1] for r in ROUTES])
@@ -287,7 +308,11 @@ def test_missing_key_variable_fails_the_build(tmp_path: Path) -> None:
 def test_chat_with_content_parts(guarded: httpx.Client) -> None:
     """Content as a list of parts (OpenAI's format) reaches the engine; the fuzz test
     found it was a 500 (vLLM's `Iterable` fields could not be pickled to the replica)."""
-    body = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
+    body = {
+        "model": "tiny",
+        "max_tokens": 2,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+    }
     response = guarded.post("/v1/chat/completions", json=body, headers=USER)
     assert response.status_code == 200, response.text
     bad = {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text"}]}]}

@@ -81,8 +81,12 @@ def test_chat_answers_paris_across_both_ep_ranks(moe: httpx.Client) -> None:
     before = {m["rank"]: m for m in status["ffn"]}
 
     def chat(_: int) -> str:
-        body = {"model": "smollm2-moe", "messages": [{"role": "user", "content": QUESTION}],
-                "temperature": 0, "max_tokens": 16}  # fmt: skip
+        body = {
+            "model": "smollm2-moe",
+            "messages": [{"role": "user", "content": QUESTION}],
+            "temperature": 0,
+            "max_tokens": 16,
+        }
         response = moe.post("/v1/chat/completions", json=body)
         assert response.status_code == 200, response.text
         return response.json()["choices"][0]["message"]["content"]

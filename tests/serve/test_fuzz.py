@@ -85,8 +85,11 @@ def test_intended_answer_rules() -> None:
     assert _unintended(504, httpx.Headers(), {"type": "GatewayTimeout", "param": None})
     assert _unintended(503, httpx.Headers(), {"type": "ServiceUnavailableError"})
     assert _unintended(500, httpx.Headers(), {"type": "InternalServerError"})
-    stream = httpx.Response(200, headers={"content-type": "text/event-stream"},
-                            text='data: {"error": {"code": 500, "type": "X"}}\n\ndata: [DONE]\n\n')  # fmt: skip
+    stream = httpx.Response(
+        200,
+        headers={"content-type": "text/event-stream"},
+        text='data: {"error": {"code": 500, "type": "X"}}\n\ndata: [DONE]\n\n',
+    )
     assert _problems(stream)
 
 
@@ -104,8 +107,13 @@ def test_fuzzed_requests_get_no_5xx(guarded: httpx.Client) -> None:
         begun = time.monotonic()
         headers = (ADMIN if operation.path.startswith("/afd/") else USER) | {"x-request-deadline-ms": DEADLINE_MS}
 
-        @settings(max_examples=EXAMPLES, deadline=None, database=None, phases=[Phase.generate],
-                  suppress_health_check=list(HealthCheck))  # fmt: skip
+        @settings(
+            max_examples=EXAMPLES,
+            deadline=None,
+            database=None,
+            phases=[Phase.generate],
+            suppress_health_check=list(HealthCheck),
+        )
         @given(case=operation.as_strategy())
         def run(case: schemathesis.Case) -> None:
             nonlocal cases
@@ -118,8 +126,13 @@ def test_fuzzed_requests_get_no_5xx(guarded: httpx.Client) -> None:
             body = sent.get("data")
             try:
                 response = guarded.request(
-                    sent["method"], sent["url"], headers=sent["headers"], params=sent.get("params"),
-                    cookies=sent.get("cookies") or None, json=sent.get("json"), timeout=30,
+                    sent["method"],
+                    sent["url"],
+                    headers=sent["headers"],
+                    params=sent.get("params"),
+                    cookies=sent.get("cookies") or None,
+                    json=sent.get("json"),
+                    timeout=30,
                     content=body if isinstance(body, (bytes, str)) else None,
                     data=body if isinstance(body, dict) else None,
                 )
@@ -132,6 +145,7 @@ def test_fuzzed_requests_get_no_5xx(guarded: httpx.Client) -> None:
     print(f"\nfuzz: {cases} cases over {operations} operations in {elapsed:.0f} s")
     assert not failures, "\n".join(failures)
     assert _replicas() == replicas  # the same replicas, all RUNNING: none crashed or was replaced
-    response = guarded.post("/v1/completions", headers=USER,
-                            json={"model": "tiny", "prompt": "Hello", "max_tokens": 4, "temperature": 0})  # fmt: skip
+    response = guarded.post(
+        "/v1/completions", headers=USER, json={"model": "tiny", "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+    )
     assert response.status_code == 200, response.text

@@ -3,7 +3,7 @@
 Tiny random Qwen3-MoE and DeepSeek-V3 checkpoints (float32) are served with A
 attention ranks and F FFN ranks (EP=F); greedy tokens must equal plain vLLM's on the
 same checkpoint, for 2A:1F, 1A:2F and 3A:2F (`MATRIX`; the other layouts are served
-by `test_resize.py`). 3A:2F covers fan-in (an FFN rank with two attention peers), a
+by `tests/e2e/test_resize.py`). 3A:2F covers fan-in (an FFN rank with two attention peers), a
 non-integer ratio and EP2; 1A:2F covers A < F (an FFN rank with no attention peer
 still takes part in every step's all-to-alls); `gate_on_attention` runs routing and
 the dense layers on the attention ranks.
@@ -44,8 +44,14 @@ def _plain_vllm_tokens(checkpoint: Path) -> list[list[int]]:
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     try:
-        llm = LLM(str(checkpoint), dtype="float32", enforce_eager=True, max_model_len=512,
-                  kv_cache_memory_bytes=1 << 28, attention_backend=attention_backend(checkpoint, "float32"))
+        llm = LLM(
+            str(checkpoint),
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=512,
+            kv_cache_memory_bytes=1 << 28,
+            attention_backend=attention_backend(checkpoint, "float32"),
+        )
         tokens = []
         for prompt, length in zip(PROMPTS, LENGTHS):
             params = SamplingParams(temperature=0, max_tokens=length, ignore_eos=True)
@@ -86,7 +92,7 @@ def _args(checkpoint: Path, attention: int, ffn: int, gate: str, ubatches: int) 
 
 
 # Each case deploys its own app (A engines start on 2 CPU cores), so the full family x
-# topology x gate product (20 cases, ~24 min) is not run. `test_resize.py` serves the
+# topology x gate product (20 cases, ~24 min) is not run. `tests/e2e/test_resize.py` serves the
 # tiny Qwen3-MoE (gate_on_ffn) at 1A:1F, 2A:1F, 2A:2F and 1A:2F against plain vLLM's
 # tokens; the cases below add DeepSeek-V3 (MLA, a dense layer 0) under both gate
 # placements, fan-in (2A:1F, 3A:2F), A < F (1A:2F), a non-integer ratio and EP2 with
@@ -106,8 +112,13 @@ MATRIX = [
     indirect=["reference"],
 )
 def test_greedy_tokens_equal_plain_vllm_across_topologies(
-    http: httpx.Client, reference: tuple[Path, list[list[int]]], request: pytest.FixtureRequest,
-    attention: int, ffn: int, gate: str, ubatches: int,
+    http: httpx.Client,
+    reference: tuple[Path, list[list[int]]],
+    request: pytest.FixtureRequest,
+    attention: int,
+    ffn: int,
+    gate: str,
+    ubatches: int,
 ) -> None:
     checkpoint, expected = reference
     family = request.node.callspec.params["reference"]
@@ -119,8 +130,14 @@ def test_greedy_tokens_equal_plain_vllm_across_topologies(
         assert peers == sorted(rank % ffn for rank in range(attention))  # balanced mapping
 
         def complete(i: int) -> list[int]:
-            body = {"model": "tiny", "prompt": PROMPTS[i], "max_tokens": LENGTHS[i], "temperature": 0,
-                    "ignore_eos": True, "return_token_ids": True}
+            body = {
+                "model": "tiny",
+                "prompt": PROMPTS[i],
+                "max_tokens": LENGTHS[i],
+                "temperature": 0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+            }
             response = http.post(f"/{name}/v1/completions", json=body)
             assert response.status_code == 200, response.text
             return response.json()["choices"][0]["token_ids"]

@@ -17,7 +17,6 @@ import ray
 from ray import serve
 from ray.util import placement_group_table
 
-from afd_ray.attention.ffn_client import ASSIGNMENT_ENV
 from afd_ray.platform import DATA_PLANE_NICE
 
 MODEL = "smollm2"
@@ -255,8 +254,7 @@ def test_each_pool_member_has_its_own_strict_pack_group(
     members = [
         group
         for group in placement_group_table().values()
-        if group["name"].startswith(f"SERVE_REPLICA::afd#{pool}#")
-        and group["state"] == "CREATED"
+        if group["name"].startswith(f"SERVE_REPLICA::afd#{pool}#") and group["state"] == "CREATED"
     ]
     assert len(members) == section["num_ranks"]
     bundle = {"CPU": section["bundle_resources"]}
@@ -284,7 +282,8 @@ def _engine_of(replica: int) -> psutil.Process:
     so the title is not what finds it."""
     children = psutil.Process(replica).children()
     engines = [
-        child for child in children
+        child
+        for child in children
         if " ".join(child.cmdline()).startswith("VLLM::EngineCore") or "spawn_main" in " ".join(child.cmdline())
     ]
     assert len(engines) == 1, [(child.pid, child.cmdline()) for child in children]
@@ -293,7 +292,8 @@ def _engine_of(replica: int) -> psutil.Process:
 
 def test_engine_processes_inherit_the_engine_env(client: httpx.Client, args: dict[str, object]) -> None:
     """vLLM's EngineCore process of each attention replica of the session app runs
-    with the env of `engine_env` and the FFN peer assignment, and the model runs in it:
+    with the env of `engine_env` and no assignment variable (its FFN peer comes in vLLM's config,
+    `FFNPeerConfig`), and the model runs in it:
     no worker process of its own (vLLM's CPU platform forces its `mp` executor unless
     `VLLM_ENABLE_V1_MULTIPROCESSING=0`; that worker re-imported vLLM at every rank
     start).
@@ -306,7 +306,7 @@ def test_engine_processes_inherit_the_engine_env(client: httpx.Client, args: dic
     for replica in replicas:
         process = _engine_of(replica)
         env = process.environ()
-        assert ASSIGNMENT_ENV in env
+        assert "AFD_RAY_ASSIGNMENT" not in env  # the FFN peer comes in vLLM's config, not the env
         assert env["OMP_NUM_THREADS"] == "1"
         assert env["OMP_WAIT_POLICY"] == "PASSIVE"
         assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"

@@ -5,14 +5,24 @@ from __future__ import annotations
 
 import json
 
-from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+from vllm.entrypoints.openai.completion.protocol import CompletionRequest, CompletionStreamResponse
 
+from afd_ray.attention.chunks import StreamEvent
 from afd_ray.serve.resume import StreamResume
 
 
-def _event(tokens: list[int], prompt: list[int] | None = None, usage: dict | None = None, rid: str = "a") -> str:
+def _event(
+    tokens: list[int], prompt: list[int] | None = None, usage: dict | None = None, rid: str = "a"
+) -> StreamEvent:
+    """An event as an attention rank yields it: vLLM's chunk, read from vLLM's JSON."""
     choice = {"index": 0, "text": "x" * len(tokens), "token_ids": tokens, "prompt_token_ids": prompt}
-    return f"data: {json.dumps({'id': rid, 'created': 1, 'choices': [choice], 'usage': usage})}\n\n"
+    body = {"id": rid, "created": 1, "model": "m", "choices": [choice], "usage": usage}
+    return StreamEvent(CompletionStreamResponse.model_validate(body))
+
+
+def _sent(event: StreamEvent) -> dict:
+    """The JSON the client gets for `event` (as the ingress frames it)."""
+    return json.loads(event.payload.model_dump_json(exclude_unset=True))
 
 
 def test_resumable_requests() -> None:
@@ -24,27 +34,26 @@ def test_resumable_requests() -> None:
 
 
 def test_resume_continues_after_the_last_token() -> None:
-    request = CompletionRequest(model="m", prompt="hi", stream=True, max_tokens=5, min_tokens=3,
-                                stream_options={"include_usage": True})  # fmt: skip
+    request = CompletionRequest(
+        model="m", prompt="hi", stream=True, max_tokens=5, min_tokens=3, stream_options={"include_usage": True}
+    )
     resume = StreamResume(request)
     assert resume.request_for_rank.return_token_ids and not request.return_token_ids
     assert resume.next_request() == resume.request_for_rank  # nothing generated yet: resend as it was
-    first = json.loads(resume.observe(_event([10], prompt=[1, 2])).removeprefix("data: "))
+    first = _sent(resume.observe(_event([10], prompt=[1, 2])))
     assert first["choices"][0]["token_ids"] is None and first["choices"][0]["prompt_token_ids"] is None
     resume.observe(_event([11]))
     again = resume.next_request()
     assert (again.prompt, again.max_tokens, again.min_tokens) == ([1, 2, 10, 11], 3, 1)
     assert resume.resumes == 1
-    out = json.loads(resume.observe(_event([12, 13, 14], prompt=[1, 2, 10, 11], rid="b",
-                                            usage={"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}))
-                     .removeprefix("data: "))  # fmt: skip
+    usage = {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
+    out = _sent(resume.observe(_event([12, 13, 14], prompt=[1, 2, 10, 11], rid="b", usage=usage)))
     assert out["id"] == "a"  # the stream keeps its id
     assert out["usage"] == {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7}
     assert resume.next_request() is None  # every token was generated
-    assert resume.observe("data: [DONE]\n\n") == "data: [DONE]\n\n"
 
 
 def test_token_ids_stay_when_the_client_asked() -> None:
     resume = StreamResume(CompletionRequest(model="m", prompt="hi", stream=True, return_token_ids=True))
-    shown = json.loads(resume.observe(_event([10], prompt=[1, 2])).removeprefix("data: "))
+    shown = _sent(resume.observe(_event([10], prompt=[1, 2])))
     assert shown["choices"][0]["token_ids"] == [10] and shown["choices"][0]["prompt_token_ids"] == [1, 2]
