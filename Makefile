@@ -1,7 +1,7 @@
 # Two entry points, each sets up everything on a fresh machine:
 #   make serve  - install, prepare the embedded models, `serve run deployments/afd.yaml`
 #                 (the MoE demo: `make serve-moe`, the same with deployments/afd-moe.yaml)
-#   make test   - install, then the whole test suite
+#   make test   - install, lint and format check (ruff), then the whole test suite
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.afd_ray-installed
@@ -55,6 +55,8 @@ serve-moe: install
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/serve run --address local deployments/afd-moe.yaml
 
 test: models
-	# Debian's prometheus, for the real-Prometheus test (tests/serve/test_resize.py).
+	# Debian's prometheus, for the real-Prometheus test (tests/e2e/test_resize.py).
 	command -v prometheus >/dev/null || { apt-get update -q && apt-get install -y -q --no-install-recommends prometheus; }
+	$(VENV)/bin/ruff check afd_ray tests benchmarks examples
+	$(VENV)/bin/ruff format --check afd_ray tests benchmarks examples
 	$(PY) -m pytest tests

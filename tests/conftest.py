@@ -15,8 +15,9 @@ from ray import serve
 from ray._private import ray_constants
 
 from afd_ray.compat import any_dashboard_agent_port
-from afd_ray.serve.ingress_env import free_port, private_cluster_env
 from afd_ray.serve.app import build_app
+from afd_ray.serve.ingress_env import private_cluster_env
+from ports import free_port
 
 YAML = Path(__file__).parents[1] / "deployments" / "afd.yaml"
 

@@ -16,14 +16,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from afd_ray.autoscale.policy import (
-    AutoscalePolicy,
-    Decision,
-    MetricsSnapshot,
-    ScaleState,
-    decide,
-    signal_values,
-)
+from afd_ray.autoscale.policy import decide, signal_values
+from afd_ray.autoscale.schema import AutoscalePolicy, Decision, MetricsSnapshot, ScaleState
 
 __all__ = ["RampWorkload", "Step", "changes", "plot", "replay", "simulate_ramp"]
 
@@ -145,9 +139,7 @@ def simulate_ramp(workload: RampWorkload, policy: AutoscalePolicy) -> list[Step]
             time_s=t,
             attention_ranks=a,
             ffn_ranks=f,
-            kv_cache_usage=min(
-                running * (w.prompt_tokens + w.output_tokens / 2) / (a * w.kv_tokens_per_rank), 1.0
-            ),
+            kv_cache_usage=min(running * (w.prompt_tokens + w.output_tokens / 2) / (a * w.kv_tokens_per_rank), 1.0),
             waiting_requests=waiting,
             running_requests=running,
             ttft_p90_s=w.prefill_s + waiting / admit_rate if admitted or waiting else 0.0,

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 from pydantic import ValidationError
 
-from afd_ray.autoscale.policy import MetricsSnapshot
+from afd_ray.autoscale.schema import MetricsSnapshot
 
 __all__ = ["read_trace", "record"]
 
@@ -61,9 +61,7 @@ def read_trace(path: Path) -> list[MetricsSnapshot]:
         try:
             snapshots.append(MetricsSnapshot.model_validate_json(line))
         except ValidationError as e:
-            problems = "; ".join(
-                f"{'.'.join(map(str, err['loc'])) or '<line>'}: {err['msg']}" for err in e.errors()
-            )
+            problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or '<line>'}: {err['msg']}" for err in e.errors())
             raise ValueError(f"{path}:{number}: {problems}") from e
     if not snapshots:
         raise ValueError(f"{path}: no snapshots")

@@ -8,7 +8,8 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 
-from afd_ray.autoscale.policy import AutoscalePolicy, MetricsSnapshot, ScaleState, decide
+from afd_ray.autoscale.policy import decide
+from afd_ray.autoscale.schema import AutoscalePolicy, MetricsSnapshot, ScaleState
 from afd_ray.config import AttentionPoolConfig, FFNPoolConfig
 from afd_ray.control.membership import ScaleRequest
 from afd_ray.control.placement import clamp

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from afd_ray.autoscale.policy import MetricsSnapshot
+from afd_ray.autoscale.schema import MetricsSnapshot
 from afd_ray.autoscale.trace import read_trace
 from afd_ray.cli import main
 
@@ -29,9 +29,7 @@ def _metrics(client: httpx.Client) -> MetricsSnapshot:
 def test_status_metrics_after_requests(client: httpx.Client) -> None:
     body = {"model": "smollm2", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        responses = list(
-            pool.map(lambda p: client.post("/v1/completions", json=body | {"prompt": p}), PROMPTS)
-        )
+        responses = list(pool.map(lambda p: client.post("/v1/completions", json=body | {"prompt": p}), PROMPTS))
     assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
     # Attention ranks report every second: a report taken while the last requests still
     # ran carries their TPOT and running > 0; the next one must show the idle engine.
@@ -75,9 +73,6 @@ def test_record_writes_a_trace_of_the_live_app(
     assert all(a < b for a, b in itertools.pairwise(times))  # one poll after another, not the same snapshot
     # the recorded trace replays through the shipped policy: an idle 1A:1F stays at the minimum
     png = tmp_path / "trace.png"
-    assert (
-        main(["autoscale", "simulate", "--policy", str(POLICY), "--trace", str(trace), "--plot", str(png)])
-        == 0
-    )
+    assert main(["autoscale", "simulate", "--policy", str(POLICY), "--trace", str(trace), "--plot", str(png)]) == 0
     assert png.read_bytes().startswith(b"\x89PNG")
     assert "4 evaluations, 0 changes; final A=1 F=1" in capsys.readouterr().out

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from afd_ray.autoscale.policy import PolicyError, load_policy, parse_policy
+from afd_ray.autoscale.loader import PolicyError, load_policy, parse_policy
 from afd_ray.cli import main
 
 SHIPPED = Path(__file__).parents[2] / "deployments" / "autoscale.yaml"
@@ -26,7 +26,10 @@ def test_the_shipped_policy_round_trips_through_text() -> None:
     [
         ("attention:\n  min_ranks: 3\n  max_ranks: 2\n", "attention"),
         ("ffn:\n  scale_in_cooldown_s: -1\n", "ffn.scale_in_cooldown_s"),
-        ("attention:\n  signals:\n    kv_cache_usage: {scale_out: 0.5, scale_in: 0.9}\n", "attention.signals.kv_cache_usage"),
+        (
+            "attention:\n  signals:\n    kv_cache_usage: {scale_out: 0.5, scale_in: 0.9}\n",
+            "attention.signals.kv_cache_usage",
+        ),
         ("attention:\n  no_such_key: 1\n", "attention.no_such_key"),
     ],
 )
@@ -49,10 +52,16 @@ def test_text_that_is_not_yaml_names_no_field() -> None:
         # said only "'utf-8' codec can't decode byte 0xff in position 0: invalid start byte"
         (b"\xff\xfeattention:\n", "not UTF-8 text (invalid start byte at byte 0); a policy is a YAML file"),
         # said "<root>: Input should be a valid dictionary or instance of AutoscalePolicy"
-        (b"", "expected a YAML mapping with an `attention` and/or an `ffn` section "
-              "(e.g. deployments/autoscale.yaml), got an empty document"),
-        (b"- 1\n", "expected a YAML mapping with an `attention` and/or an `ffn` section "
-                   "(e.g. deployments/autoscale.yaml), got a list"),
+        (
+            b"",
+            "expected a YAML mapping with an `attention` and/or an `ffn` section "
+            "(e.g. deployments/autoscale.yaml), got an empty document",
+        ),
+        (
+            b"- 1\n",
+            "expected a YAML mapping with an `attention` and/or an `ffn` section "
+            "(e.g. deployments/autoscale.yaml), got a list",
+        ),
     ],
     ids=["not-utf8", "empty", "list"],
 )

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from afd_ray.autoscale.policy import load_policy
+from afd_ray.autoscale.loader import load_policy
 from afd_ray.autoscale.simulate import RampWorkload, simulate_ramp
 from afd_ray.cli import main
 
@@ -16,9 +16,7 @@ POLICY = Path(__file__).parents[2] / "deployments" / "autoscale.yaml"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def test_simulate_ramp_prints_reasons_and_writes_png(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_simulate_ramp_prints_reasons_and_writes_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     png = tmp_path / "ramp.png"
     assert main(["autoscale", "simulate", "--policy", str(POLICY), "--ramp", "--plot", str(png)]) == 0
     out = capsys.readouterr().out
@@ -35,10 +33,7 @@ def test_simulate_replays_a_trace(tmp_path: Path, capsys: pytest.CaptureFixture[
     trace = tmp_path / "trace.jsonl"
     trace.write_text("".join(s.snapshot.model_dump_json() + "\n" for s in steps))
     png = tmp_path / "trace.png"
-    assert (
-        main(["autoscale", "simulate", "--policy", str(POLICY), "--trace", str(trace), "--plot", str(png)])
-        == 0
-    )
+    assert main(["autoscale", "simulate", "--policy", str(POLICY), "--trace", str(trace), "--plot", str(png)]) == 0
     out = capsys.readouterr().out
     assert "t=  128.0s A=1 F=2" in out and "ffn +1 (1 -> 2): tokens_per_ffn_step" in out
     assert f"{len(steps)} evaluations" in out
@@ -47,9 +42,7 @@ def test_simulate_replays_a_trace(tmp_path: Path, capsys: pytest.CaptureFixture[
 
 def test_bad_trace_line_names_line_and_field(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     trace = tmp_path / "trace.jsonl"
-    trace.write_text(
-        '{"time_s": 0, "attention_ranks": 1, "ffn_ranks": 1}\n{"time_s": 1, "attention_ranks": 1}\n'
-    )
+    trace.write_text('{"time_s": 0, "attention_ranks": 1, "ffn_ranks": 1}\n{"time_s": 1, "attention_ranks": 1}\n')
     with pytest.raises(SystemExit) as exit_:
         main(
             [
@@ -73,10 +66,7 @@ def test_bad_policy_exits_1_naming_the_field(tmp_path: Path, capsys: pytest.Capt
     with pytest.raises(SystemExit) as exit_:
         main(["autoscale", "simulate", "--policy", str(policy), "--ramp", "--plot", str(tmp_path / "x.png")])
     assert exit_.value.code == 1
-    assert (
-        "attention.scale_out_cooldown_s: Input should be greater than or equal to 0"
-        in capsys.readouterr().err
-    )
+    assert "attention.scale_out_cooldown_s: Input should be greater than or equal to 0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -129,15 +119,26 @@ def test_a_bad_url_is_a_usage_error(argv: list[str], url: str, capsys: pytest.Ca
 def test_record_from_an_unreachable_url_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """No traceback when nothing listens (a fresh user got httpx.ConnectError's)."""
     with pytest.raises(SystemExit) as exit_:
-        main(["autoscale", "record", "--url", "http://127.0.0.1:1", "--out", str(tmp_path / "t.jsonl"),
-              "--duration-s", "1"])  # fmt: skip
+        main(
+            [
+                "autoscale",
+                "record",
+                "--url",
+                "http://127.0.0.1:1",
+                "--out",
+                str(tmp_path / "t.jsonl"),
+                "--duration-s",
+                "1",
+            ]
+        )
     assert exit_.value.code == 1
     assert capsys.readouterr().err.startswith("afd-ray: error: http://127.0.0.1:1:")
 
 
 def test_simulate_writes_its_json_and_the_png_next_to_it(tmp_path: Path) -> None:
     out = tmp_path / "ramp.json"
-    assert main(["autoscale", "simulate", "--policy", str(POLICY), "--ramp", "--duration-s", "300", "--out", str(out)]) == 0
+    argv = ["autoscale", "simulate", "--policy", str(POLICY), "--ramp", "--duration-s", "300", "--out", str(out)]
+    assert main(argv) == 0
     rows = json.loads(out.read_text())
     assert rows and {"snapshot", "decision"} <= set(rows[0])
     assert out.with_suffix(".png").stat().st_size > 0

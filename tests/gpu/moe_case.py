@@ -26,8 +26,9 @@ from afd_ray.connector.process_group import new_process_group
 from afd_ray.ffn.ep import EPGroup
 from afd_ray.ffn.graphs import FFNGraphs, ffn_layer
 from afd_ray.ffn.model import FFNStack
-from afd_ray.ffn.moe import MoE
-from afd_ray.platform import collective_backend, torch_device
+from afd_ray.layers.moe import MoE
+from afd_ray.devices import torch_device
+from afd_ray.platform import collective_backend
 
 SEED = 0
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)

@@ -35,9 +35,24 @@ def _run(cmd: list[str]) -> subprocess.CompletedProcess:
 
 def test_cuda_ipc_pair_exchanges_exact_bytes(tmp_path: Path) -> None:
     out = tmp_path / "cuda_ipc.json"
-    proc = _run([
-        sys.executable, "-m", "afd_ray.bench.cuda_ipc", "--out", str(out),
-        "--tokens", "1", "16", "128", "--layers", "4", "--iters", "3", "--warmup", "1",
-    ])
+    proc = _run(
+        [
+            sys.executable,
+            "-m",
+            "afd_ray.bench.cuda_ipc",
+            "--out",
+            str(out),
+            "--tokens",
+            "1",
+            "16",
+            "128",
+            "--layers",
+            "4",
+            "--iters",
+            "3",
+            "--warmup",
+            "1",
+        ]
+    )
     results = json.loads(out.read_text())
     assert proc.returncode == 0 and results["correct"], results

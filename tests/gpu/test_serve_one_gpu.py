@@ -65,16 +65,24 @@ def _plain(checkpoint: Path, dtype: str, mode: str | None) -> tuple[list[list[in
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     graphs = {} if mode is None else {"compilation_config": {"cudagraph_mode": mode}}
     try:
-        llm = LLM(str(checkpoint), dtype=dtype, enforce_eager=mode is None, max_model_len=512, max_num_seqs=8,
-                  kv_cache_memory_bytes=1 << 28, gpu_memory_utilization=0.3, **graphs)
+        llm = LLM(
+            str(checkpoint),
+            dtype=dtype,
+            enforce_eager=mode is None,
+            max_model_len=512,
+            max_num_seqs=8,
+            kv_cache_memory_bytes=1 << 28,
+            gpu_memory_utilization=0.3,
+            **graphs,
+        )
         tokens, logprobs = [], []
         for prompt, length in zip(PROMPTS, LENGTHS, strict=True):
             params = SamplingParams(temperature=0, max_tokens=length, ignore_eos=True, prompt_logprobs=0)
             (out,) = llm.generate([prompt], params, use_tqdm=False)
             tokens.append(list(out.outputs[0].token_ids))
-            logprobs.append([
-                entry[token].logprob for entry, token in zip(out.prompt_logprobs[1:], out.prompt_token_ids[1:])
-            ])
+            logprobs.append(
+                [entry[token].logprob for entry, token in zip(out.prompt_logprobs[1:], out.prompt_token_ids[1:])]
+            )
         llm.llm_engine.engine_core.shutdown()
         del llm
     finally:
@@ -89,7 +97,7 @@ def serve_url() -> str:
     ray = pytest.importorskip("ray", reason="needs Ray (the device pack)")
     from ray import serve
 
-    from afd_ray.serve.ingress_env import free_port
+    from tests.ports import free_port  # run from the repo root, without the suite's conftest
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(num_gpus=1, include_dashboard=False)
@@ -118,9 +126,15 @@ def test_afd_on_one_gpu_equals_plain_vllm(serve_url: str, family: str, mode: str
     args = {
         "platform": "cuda",
         "model": {"source": str(checkpoint), "served_name": "tiny", "dtype": dtype, "max_model_len": 512},
-        "attention": {"num_ranks": 2 if dbo else 1, "kv_cache_gib": 0.25, "max_num_seqs": 8,
-                      "bundle_resources": 0.33 if dbo else 0.5, "gpu_memory_utilization": 0.2 if dbo else 0.3,
-                      "enforce_eager": eager, "cudagraph_mode": "full_decode" if mode == "full" else "piecewise"},
+        "attention": {
+            "num_ranks": 2 if dbo else 1,
+            "kv_cache_gib": 0.25,
+            "max_num_seqs": 8,
+            "bundle_resources": 0.33 if dbo else 0.5,
+            "gpu_memory_utilization": 0.2 if dbo else 0.3,
+            "enforce_eager": eager,
+            "cudagraph_mode": "full_decode" if mode == "full" else "piecewise",
+        },
         "ffn": {"bundle_resources": 0.33 if dbo else 0.5, "ubatches": 2 if dbo else 1},
         "connector": {"transport": "cuda_ipc", "batch_window_us": 3000},
     }
@@ -134,8 +148,15 @@ def test_afd_on_one_gpu_equals_plain_vllm(serve_url: str, family: str, mode: str
         with httpx.Client(base_url=serve_url, timeout=300) as http:
 
             def complete(i: int) -> tuple[list[int], list[float]]:
-                body = {"model": "tiny", "prompt": PROMPTS[i], "max_tokens": LENGTHS[i], "temperature": 0,
-                        "ignore_eos": True, "return_token_ids": True, "prompt_logprobs": 0}
+                body = {
+                    "model": "tiny",
+                    "prompt": PROMPTS[i],
+                    "max_tokens": LENGTHS[i],
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "return_token_ids": True,
+                    "prompt_logprobs": 0,
+                }
                 response = http.post(f"/{name}/v1/completions", json=body)
                 assert response.status_code == 200, response.text
                 choice = response.json()["choices"][0]
@@ -151,14 +172,29 @@ def test_afd_on_one_gpu_equals_plain_vllm(serve_url: str, family: str, mode: str
         serve.delete(name)
     positions = sum(len(t) for t in expected)
     equal = sum(a == b for got_t, exp_t in zip(got, expected, strict=True) for a, b in zip(got_t, exp_t, strict=True))
-    diffs = [abs(a - b) for g, e in zip(got_logprobs, expected_logprobs, strict=True) if len(g) == len(e)
-             for a, b in zip(g, e, strict=True)]
+    diffs = [
+        abs(a - b)
+        for g, e in zip(got_logprobs, expected_logprobs, strict=True)
+        if len(g) == len(e)
+        for a, b in zip(g, e, strict=True)
+    ]
     record = {
-        "family": family, "eager": eager, "mode": mode, "graph_replays": replays, "dbo": dbo, "dtype": dtype,
-        "equal_positions": equal, "positions": positions,
-        "all_equal": got == expected, "prompt_logprob_max_abs_diff": max(diffs) if diffs else None,
-        "app_start_s": started_s, "graphs_captured": graphs, "gpu": torch.cuda.get_device_name(0),
-        "plain_full_vs_piecewise_equal": None if full is None else sum(
+        "family": family,
+        "eager": eager,
+        "mode": mode,
+        "graph_replays": replays,
+        "dbo": dbo,
+        "dtype": dtype,
+        "equal_positions": equal,
+        "positions": positions,
+        "all_equal": got == expected,
+        "prompt_logprob_max_abs_diff": max(diffs) if diffs else None,
+        "app_start_s": started_s,
+        "graphs_captured": graphs,
+        "gpu": torch.cuda.get_device_name(0),
+        "plain_full_vs_piecewise_equal": None
+        if full is None
+        else sum(
             a == b for full_t, exp_t in zip(full, expected, strict=True) for a, b in zip(full_t, exp_t, strict=True)
         ),
     }

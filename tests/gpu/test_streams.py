@@ -1,4 +1,4 @@
-"""`platform.pooled_stream_other_than` on CUDA: over more draws than torch's pool holds
+"""`devices.pooled_stream_other_than` on CUDA: over more draws than torch's pool holds
 (32 streams per device and priority, handed out round-robin), the stream it returns is
 never the one the caller named; a plain `torch.cuda.Stream()` would be, once per lap.
 Skips visibly without a CUDA device."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from afd_ray.platform import pooled_stream_other_than
+from afd_ray.devices import pooled_stream_other_than
 
 pytestmark = [
     pytest.mark.gpu,
