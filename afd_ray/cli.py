@@ -65,9 +65,7 @@ def _add_models(subparsers: argparse._SubParsersAction) -> None:
     )
     prepare.set_defaults(handler=_models_prepare)
 
-    tiny = sub.add_parser(
-        "tiny", help="build a tiny random test checkpoint (reused if already built)"
-    )
+    tiny = sub.add_parser("tiny", help="build a tiny random test checkpoint (reused if already built)")
     tiny.add_argument("family", choices=FAMILIES)
     tiny.add_argument("out_dir", type=Path, help="checkpoint folder to create")
     tiny.add_argument("--seed", type=int, default=0, help="weight seed (default: 0)")
@@ -75,7 +73,7 @@ def _add_models(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _autoscale_simulate(args: argparse.Namespace) -> None:
-    from afd_ray.autoscale.policy import load_policy
+    from afd_ray.autoscale.loader import load_policy
     from afd_ray.autoscale.simulate import (
         RampWorkload,
         changes,
@@ -108,7 +106,10 @@ def _autoscale_simulate(args: argparse.Namespace) -> None:
         f"{len(steps)} evaluations, {len(changes(steps))} changes; final A={last.attention_target} F={last.ffn_target}"
     )
     if args.out is not None:
-        rows = [{"snapshot": step.snapshot.model_dump(mode="json"), "decision": step.decision.model_dump(mode="json")} for step in steps]
+        rows = [
+            {"snapshot": step.snapshot.model_dump(mode="json"), "decision": step.decision.model_dump(mode="json")}
+            for step in steps
+        ]
         args.out.write_text(json.dumps(rows) + "\n")
         print(args.out)
     png = args.plot or (args.out.with_suffix(".png") if args.out is not None else Path("autoscale.png"))
@@ -131,13 +132,15 @@ def _autoscale_record(args: argparse.Namespace) -> None:
 def _autoscale_apply(args: argparse.Namespace) -> None:
     import httpx
 
-    from afd_ray.autoscale.policy import load_policy
+    from afd_ray.autoscale.loader import load_policy
 
     load_policy(args.policy)  # a bad field is reported here, before anything is sent
     try:
         response = httpx.post(
-            f"{args.url.rstrip('/')}/afd/autoscale/policy", content=args.policy.read_bytes(),
-            headers=_admin_headers(args.admin_key_env), timeout=60,
+            f"{args.url.rstrip('/')}/afd/autoscale/policy",
+            content=args.policy.read_bytes(),
+            headers=_admin_headers(args.admin_key_env),
+            timeout=60,
         )
     except httpx.HTTPError as e:
         raise OSError(f"{args.url}: {e}") from e
@@ -167,9 +170,7 @@ def _add_admin_key(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_autoscale(subparsers: argparse._SubParsersAction) -> None:
-    autoscale = subparsers.add_parser(
-        "autoscale", help="tune the A:F autoscaling policy offline"
-    )
+    autoscale = subparsers.add_parser("autoscale", help="tune the A:F autoscaling policy offline")
     sub = autoscale.add_subparsers(dest="action", required=True, metavar="ACTION")
 
     simulate = sub.add_parser(
@@ -199,9 +200,7 @@ def _add_autoscale(subparsers: argparse._SubParsersAction) -> None:
         default=1.5,
         help="ramp peak, requests/s (default: 1.5)",
     )
-    simulate.add_argument(
-        "--duration-s", type=positive, default=900.0, help="ramp length, s (default: 900)"
-    )
+    simulate.add_argument("--duration-s", type=positive, default=900.0, help="ramp length, s (default: 900)")
     simulate.add_argument(
         "--out",
         type=Path,
@@ -219,27 +218,21 @@ def _add_autoscale(subparsers: argparse._SubParsersAction) -> None:
     )
     simulate.set_defaults(handler=_autoscale_simulate)
 
-    record = sub.add_parser(
-        "record", help="record a metrics trace from a live application's /afd/status"
-    )
+    record = sub.add_parser("record", help="record a metrics trace from a live application's /afd/status")
     record.add_argument(
         "--url",
         type=http_url,
         default="http://127.0.0.1:8000",
         help="application URL (default: %(default)s)",
     )
-    record.add_argument(
-        "--out", type=Path, required=True, help="trace file to write (JSON lines)"
-    )
+    record.add_argument("--out", type=Path, required=True, help="trace file to write (JSON lines)")
     record.add_argument(
         "--interval-s",
         type=positive,
         default=1.0,
         help="seconds between snapshots (default: 1)",
     )
-    record.add_argument(
-        "--duration-s", type=positive, required=True, help="how long to record, s"
-    )
+    record.add_argument("--duration-s", type=positive, required=True, help="how long to record, s")
     record.set_defaults(handler=_autoscale_record)
 
     apply = sub.add_parser(
@@ -320,9 +313,7 @@ _GROUPS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
 
 def build_parser() -> argparse.ArgumentParser:
     """The `afd-ray` parser; every leaf command sets `args.handler`."""
-    parser = argparse.ArgumentParser(
-        prog="afd-ray", description="Attention-FFN Disaggregation serving on Ray."
-    )
+    parser = argparse.ArgumentParser(prog="afd-ray", description="Attention-FFN Disaggregation serving on Ray.")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add_group in _GROUPS:
         add_group(subparsers)

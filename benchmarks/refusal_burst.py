@@ -104,8 +104,10 @@ def aburst(url: str, headers: dict, body: dict, n: int) -> list[tuple[int, float
 
 def stats(xs: list[float]) -> str:
     xs = sorted(xs)
-    return (f"n={len(xs)} median={statistics.median(xs) * 1e3:.0f} p90={xs[int(0.9 * (len(xs) - 1))] * 1e3:.0f} "
-            f"max={xs[-1] * 1e3:.0f} ms")
+    return (
+        f"n={len(xs)} median={statistics.median(xs) * 1e3:.0f} p90={xs[int(0.9 * (len(xs) - 1))] * 1e3:.0f} "
+        f"max={xs[-1] * 1e3:.0f} ms"
+    )
 
 
 def base_of(app: str, proxy_port: int) -> str:
@@ -150,9 +152,14 @@ def main() -> None:
         os.environ["AFD_TEST_ADMIN_KEY"] = ADMIN_KEY
         args = {
             "model": {"source": str(checkpoint), "served_name": "tiny", "max_model_len": 512},
-            "ingress": {"max_ongoing_requests": 64, "max_queued_per_rank": 2, "retry_after_s": 2,
-                        "body_timeout_s": 3.0, "api_key_env": "AFD_TEST_API_KEY",
-                        "admin_key_env": "AFD_TEST_ADMIN_KEY"},
+            "ingress": {
+                "max_ongoing_requests": 64,
+                "max_queued_per_rank": 2,
+                "retry_after_s": 2,
+                "body_timeout_s": 3.0,
+                "api_key_env": "AFD_TEST_API_KEY",
+                "admin_key_env": "AFD_TEST_ADMIN_KEY",
+            },
             "attention": {"num_ranks": 1, "kv_cache_gib": 0.125, "max_num_seqs": 2, "bundle_resources": 0.5},
             "ffn": {"num_ranks": 1, "bundle_resources": 0.5},
         }
@@ -160,10 +167,19 @@ def main() -> None:
         serve.run(build_app(args), name="guarded", route_prefix="/guarded", external_scaler_enabled=True)
         print(f"guarded up in {time.monotonic() - t0:.0f} s", flush=True)
         base = base_of("guarded", port) + "/guarded"
-        body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 24, "temperature": 0,
-                "ignore_eos": True, "stream": True, "return_token_ids": True}
-        assert httpx.post(f"{base}/v1/completions", json=body | {"stream": False}, headers=USER,
-                          timeout=120).status_code == 200
+        body = {
+            "model": "tiny",
+            "prompt": "The quick brown fox",
+            "max_tokens": 24,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "return_token_ids": True,
+        }
+        assert (
+            httpx.post(f"{base}/v1/completions", json=body | {"stream": False}, headers=USER, timeout=120).status_code
+            == 200
+        )
         for _ in range(BURSTS):
             while httpx.get(f"{base}/afd/status").json()["admission"]["in_flight"]:
                 time.sleep(0.05)

@@ -86,8 +86,11 @@ def test_ep_idle_check_in_is_bounded(args: dict[str, object], field: str) -> Non
 
 
 def test_ep_idle_check_in_is_shorter_than_the_collective_timeout() -> None:
-    with pytest.raises(ValidationError, match=r"ffn\.ep_idle_max_check_us: 20000 us must be shorter than "
-                       r"connector\.timeout_s 0\.02 s, the EP group's collective timeout"):
+    with pytest.raises(
+        ValidationError,
+        match=r"ffn\.ep_idle_max_check_us: 20000 us must be shorter than "
+        r"connector\.timeout_s 0\.02 s, the EP group's collective timeout",
+    ):
         AFDConfig.model_validate({"connector": {"timeout_s": 0.02}})
     assert AFDConfig.model_validate({"connector": {"timeout_s": 0.5}}).connector.timeout_s == 0.5
 
@@ -103,7 +106,9 @@ def test_more_ubatches_than_attention_peers_of_one_ffn_rank_are_refused() -> Non
     with pytest.raises(ValidationError, match=r"ffn\.ubatches: 2 > 1, the most attention peers one FFN rank can have"):
         AFDConfig.model_validate({"ffn": {"ubatches": 2}})
     with pytest.raises(ValidationError, match=r"ffn\.ubatches: 3 > 2"):
-        AFDConfig.model_validate({"attention": {"max_ranks": 3}, "ffn": {"num_ranks": 2, "min_ranks": 2, "ubatches": 3}})
+        AFDConfig.model_validate(
+            {"attention": {"max_ranks": 3}, "ffn": {"num_ranks": 2, "min_ranks": 2, "ubatches": 3}}
+        )
     grows = AFDConfig.model_validate({"attention": {"max_ranks": 2}, "ffn": {"ubatches": 2}})  # 2A:1F after a resize
     assert grows.ffn.ubatches == 2
 

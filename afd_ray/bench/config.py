@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from afd_ray.config import BATCH_WINDOW_MAX_US, AttentionPoolConfig, ConnectorConfig, CudaGraphMode, DType
-from afd_ray.connector.link import TransportChoice, check_transport
+from afd_ray.connector.transports import TransportChoice, check_transport
 from afd_ray.models import Family
 from afd_ray.models.shapes import Shape
 from afd_ray.platform import collective_backend
@@ -81,7 +81,10 @@ class Topology(BaseModel):
                 raise ValueError(f"topology {data!r}: {name} must be from 1 to {MAX_RANKS}, got {count}")
         graphs = {} if match[5] is None else {"cudagraph_mode": match[5][1:].lower().replace("full", "full_decode")}
         return {
-            "attention": attention, "ffn": ffn, "ubatches": 2 if match[3] else 1, "observability": match[4] is None,
+            "attention": attention,
+            "ffn": ffn,
+            "ubatches": 2 if match[3] else 1,
+            "observability": match[4] is None,
             **graphs,
         }
 
@@ -99,9 +102,12 @@ class Topology(BaseModel):
         """`plain` or `<A>A<F>F[-dbo][-bare][-piecewise]` (`-piecewise`: not the default graph mode)."""
         if self.ffn == 0:
             return "plain"
-        return f"{self.attention}A{self.ffn}F" + ("-dbo" if self.ubatches > 1 else "") + (
-            "" if self.observability else "-bare"
-        ) + ("" if self.cudagraph_mode == AttentionPoolConfig().cudagraph_mode else f"-{self.cudagraph_mode}")
+        return (
+            f"{self.attention}A{self.ffn}F"
+            + ("-dbo" if self.ubatches > 1 else "")
+            + ("" if self.observability else "-bare")
+            + ("" if self.cudagraph_mode == AttentionPoolConfig().cudagraph_mode else f"-{self.cudagraph_mode}")
+        )
 
 
 def _default_checkpoints() -> Path:
@@ -156,9 +162,7 @@ class BenchConfig(BaseModel):
     requests_per_stream: int = Field(4, ge=1)
     """Requests each stream sends one after another (measured)."""
 
-    prompt: str = Field(
-        "The quick brown fox jumps over the lazy dog, again and again and again.", min_length=1
-    )
+    prompt: str = Field("The quick brown fox jumps over the lazy dog, again and again and again.", min_length=1)
     """The prompt of every request (the same for all, so prompt length is fixed)."""
 
     max_tokens: int = Field(64, ge=2)

@@ -125,7 +125,10 @@ def _side(rank: int, args: argparse.Namespace, port: int, queue: mp.Queue) -> No
                 run = _graph(step) if mode == "graph" else step
                 for _ in range(args.warmup):
                     run()
-                events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(args.iters)]
+                events = [
+                    (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                    for _ in range(args.iters)
+                ]
                 for start, end in events:
                     start.record()
                     run()
@@ -181,8 +184,10 @@ def main(argv: list[str] | None = None) -> None:
             proc.terminate()
     attention = got.get("attention", {})
     ffn = got.get("ffn", {})
-    correct = bool(attention.get("correct")) and all(attention["correct"].values()) and all(
-        ffn.get("correct", {"x": False}).values()
+    correct = (
+        bool(attention.get("correct"))
+        and all(attention["correct"].values())
+        and all(ffn.get("correct", {"x": False}).values())
     )
     result = {
         "gpu": torch.cuda.get_device_name(0),

@@ -83,9 +83,7 @@ async def _request(client: httpx.AsyncClient, path: str, body: dict[str, object]
     return RequestTiming(sent, tuple(token_times), usage["completion_tokens"], usage["prompt_tokens"])
 
 
-async def _stream(
-    client: httpx.AsyncClient, path: str, body: dict[str, object], count: int
-) -> list[RequestTiming]:
+async def _stream(client: httpx.AsyncClient, path: str, body: dict[str, object], count: int) -> list[RequestTiming]:
     return [await _request(client, path, body) for _ in range(count)]
 
 
@@ -110,8 +108,6 @@ async def run_load(
     limits = httpx.Limits(max_connections=len(bodies))
     async with httpx.AsyncClient(base_url=base_url, timeout=timeout_s, limits=limits) as client:
         start = time.perf_counter()
-        streams = await asyncio.gather(
-            *(_stream(client, path, body | extra, requests_per_stream) for body in bodies)
-        )
+        streams = await asyncio.gather(*(_stream(client, path, body | extra, requests_per_stream) for body in bodies))
         wall = time.perf_counter() - start
     return LoadResult(wall, [timing for stream in streams for timing in stream])

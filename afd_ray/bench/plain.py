@@ -58,7 +58,9 @@ class PlainServer(AttentionServer):
         os.environ.update(engine_env(attention))
         checkpoint = resolve_checkpoint(model)
         args = dataclasses.replace(  # vLLM's own compilation and CUDA-graph defaults, not AFD's split
-            engine_args(model, attention, checkpoint, "gate_on_ffn"), hf_overrides={}, worker_extension_cls="",
+            engine_args(model, attention, checkpoint, "gate_on_ffn"),
+            hf_overrides={},
+            worker_extension_cls="",
             compilation_config=CompilationConfig(),
         )
         self._start(args, model.name, checkpoint, metrics=True)

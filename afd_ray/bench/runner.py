@@ -107,7 +107,10 @@ def _app_config(cfg: BenchConfig, family: str, checkpoint: Path, topology: Topol
     return AFDConfig(
         platform=cfg.platform,
         model=ModelConfig(
-            source=str(checkpoint), served_name=SERVED_NAME, max_model_len=cfg.max_model_len, dtype=cfg.dtype,
+            source=str(checkpoint),
+            served_name=SERVED_NAME,
+            max_model_len=cfg.max_model_len,
+            dtype=cfg.dtype,
             load_format="dummy" if family in SHAPES else "auto",
         ),
         attention=AttentionPoolConfig(
@@ -118,9 +121,13 @@ def _app_config(cfg: BenchConfig, family: str, checkpoint: Path, topology: Topol
             stream_interval=cfg.stream_interval,
             num_threads=threads,
             **(
-                {"gpu_memory_utilization": memory, "enforce_eager": cfg.enforce_eager,
-                 "cudagraph_mode": topology.cudagraph_mode}
-                if cuda else {}
+                {
+                    "gpu_memory_utilization": memory,
+                    "enforce_eager": cfg.enforce_eager,
+                    "cudagraph_mode": topology.cudagraph_mode,
+                }
+                if cuda
+                else {}
             ),
         ),
         ffn=FFNPoolConfig(
@@ -168,9 +175,7 @@ def _settled_status(http: httpx.Client, route: str) -> AFDStatus:
     raise TimeoutError(f"{route}/afd/status: FFN counters still changing after {_SETTLE_READS} reads")
 
 
-def _ffn_rank(
-    before: FFNMember, after: FFNMember, wall_s: float, layers: int, hidden: int, elem: int
-) -> FFNRankResult:
+def _ffn_rank(before: FFNMember, after: FFNMember, wall_s: float, layers: int, hidden: int, elem: int) -> FFNRankResult:
     """Counter deltas of one FFN rank over the load, next to the AFD traffic per step of docs/models.md.
 
     Raises:
@@ -207,11 +212,17 @@ def _split(before: FFNMember, after: FFNMember) -> StepSplitResult | None:
     total = d.attention_s + d.wire_s + d.ffn_s + d.idle_s
     ms, share = 1e3 / d.steps, 1 / total if total > 0 else 0.0
     return StepSplitResult(
-        timed_steps=d.steps, step_ms=total * ms,
-        attention_ms=d.attention_s * ms, wire_ms=d.wire_s * ms, ffn_ms=d.ffn_s * ms, idle_ms=d.idle_s * ms,
-        attention_fraction=d.attention_s * share, wire_fraction=d.wire_s * share, ffn_fraction=d.ffn_s * share,
+        timed_steps=d.steps,
+        step_ms=total * ms,
+        attention_ms=d.attention_s * ms,
+        wire_ms=d.wire_s * ms,
+        ffn_ms=d.ffn_s * ms,
+        idle_ms=d.idle_s * ms,
+        attention_fraction=d.attention_s * share,
+        wire_fraction=d.wire_s * share,
+        ffn_fraction=d.ffn_s * share,
         idle_fraction=d.idle_s * share,
-    )  # fmt: skip
+    )
 
 
 def _prompts(cfg: BenchConfig, checkpoint: Path, streams: int) -> list[str | list[int]]:
@@ -223,14 +234,11 @@ def _prompts(cfg: BenchConfig, checkpoint: Path, streams: int) -> list[str | lis
         return [cfg.prompt] * streams
     vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
     return [
-        random.Random(f"{cfg.seed}-{stream}").choices(range(2, vocab), k=cfg.prompt_tokens)
-        for stream in range(streams)
+        random.Random(f"{cfg.seed}-{stream}").choices(range(2, vocab), k=cfg.prompt_tokens) for stream in range(streams)
     ]
 
 
-def _run_one(
-    cfg: BenchConfig, family: str, checkpoint: Path, topology: Topology, base_url: str
-) -> list[RunResult]:
+def _run_one(cfg: BenchConfig, family: str, checkpoint: Path, topology: Topology, base_url: str) -> list[RunResult]:
     """Deploy `topology`, measure one load per `cfg.concurrency` value, delete it."""
     app_cfg = _app_config(cfg, family, checkpoint, topology)
     name = app_name(family, topology)
@@ -267,45 +275,42 @@ def _run_one(
     elem = getattr(torch, app_cfg.model.dtype).itemsize
     runs = []
     for concurrency, result, before, after, load_average in measured:
-        ffn = [
-            _ffn_rank(b, a, result.wall_s, layers, hidden, elem)
-            for b, a in zip(before.ffn, after.ffn, strict=True)
-        ]
+        ffn = [_ffn_rank(b, a, result.wall_s, layers, hidden, elem) for b, a in zip(before.ffn, after.ffn, strict=True)]
         requests = result.requests
         output_tokens = sum(r.output_tokens for r in requests)
-        runs.append(RunResult(
-            family=family,
-            topology=topology,
-            label=topology.label,
-            concurrency=concurrency,
-            threads=app_cfg.attention.num_threads * topology.attention + app_cfg.ffn.num_threads * topology.ffn,
-            deploy_s=deploy_s,
-            requests=len(requests),
-            output_tokens=output_tokens,
-            prompt_tokens=requests[0].prompt_tokens,
-            wall_s=result.wall_s,
-            output_tokens_per_s=output_tokens / result.wall_s,
-            ttft=Latency.of([r.ttft_s for r in requests]),
-            tpot=Latency.of([r.tpot_s for r in requests]),
-            itl=Latency.of([gap for r in requests for gap in r.itl_s]),
-            e2e=Latency.of([r.e2e_s for r in requests]),
-            load_average_1m=load_average,
-            ffn=ffn,
-            measured_bytes_per_step=sum(r.a2f_bytes_per_step + r.f2a_bytes_per_step for r in ffn)
-            if ffn
-            else None,
-            formula_bytes_per_step=sum(r.formula_bytes_per_step for r in ffn) if ffn else None,
-            slo=slo_result(
-                [r.ttft_s for r in requests],
-                [r.tpot_s for r in requests],
-                result.wall_s,
-                output_tokens,
-                topology.attention + topology.ffn,
-                cfg.slo_ttft_ms,
-                cfg.slo_tpot_ms,
-                cfg.price_per_device_hour,
-            ),
-        ))
+        runs.append(
+            RunResult(
+                family=family,
+                topology=topology,
+                label=topology.label,
+                concurrency=concurrency,
+                threads=app_cfg.attention.num_threads * topology.attention + app_cfg.ffn.num_threads * topology.ffn,
+                deploy_s=deploy_s,
+                requests=len(requests),
+                output_tokens=output_tokens,
+                prompt_tokens=requests[0].prompt_tokens,
+                wall_s=result.wall_s,
+                output_tokens_per_s=output_tokens / result.wall_s,
+                ttft=Latency.of([r.ttft_s for r in requests]),
+                tpot=Latency.of([r.tpot_s for r in requests]),
+                itl=Latency.of([gap for r in requests for gap in r.itl_s]),
+                e2e=Latency.of([r.e2e_s for r in requests]),
+                load_average_1m=load_average,
+                ffn=ffn,
+                measured_bytes_per_step=sum(r.a2f_bytes_per_step + r.f2a_bytes_per_step for r in ffn) if ffn else None,
+                formula_bytes_per_step=sum(r.formula_bytes_per_step for r in ffn) if ffn else None,
+                slo=slo_result(
+                    [r.ttft_s for r in requests],
+                    [r.tpot_s for r in requests],
+                    result.wall_s,
+                    output_tokens,
+                    topology.attention + topology.ffn,
+                    cfg.slo_ttft_ms,
+                    cfg.slo_tpot_ms,
+                    cfg.price_per_device_hour,
+                ),
+            )
+        )
     return runs
 
 
@@ -342,6 +347,9 @@ def run_benchmark(cfg: BenchConfig, base_url: str, progress: Callable[[str], Non
                     runs.append(run)
                 bar.update(1)
     return BenchResult(
-        created=datetime.now(UTC).isoformat(timespec="seconds"), machine=machine(), config=cfg, runs=runs,
+        created=datetime.now(UTC).isoformat(timespec="seconds"),
+        machine=machine(),
+        config=cfg,
+        runs=runs,
         transport=transport,
     )

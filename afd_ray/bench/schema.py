@@ -15,7 +15,13 @@ from afd_ray.bench.config import BenchConfig, Topology
 from afd_ray.bench.slo import SLOResult
 
 __all__ = [
-    "SCHEMA_VERSION", "BenchResult", "FFNRankResult", "Latency", "Machine", "RunResult", "StepSplitResult",
+    "SCHEMA_VERSION",
+    "BenchResult",
+    "FFNRankResult",
+    "Latency",
+    "Machine",
+    "RunResult",
+    "StepSplitResult",
     "TransportResult",
 ]
 
@@ -44,9 +50,7 @@ class Latency(_Record):
         (inclusive percentiles; a single sample is its own percentiles)."""
         ms = [s * 1e3 for s in samples_s]
         cuts = statistics.quantiles(ms, n=100, method="inclusive") if len(ms) > 1 else ms * 99
-        return cls(
-            count=len(ms), mean_ms=statistics.fmean(ms), p50_ms=cuts[49], p90_ms=cuts[89], p99_ms=cuts[98]
-        )
+        return cls(count=len(ms), mean_ms=statistics.fmean(ms), p50_ms=cuts[49], p90_ms=cuts[89], p99_ms=cuts[98])
 
 
 class Machine(_Record):

@@ -56,7 +56,7 @@ def equality(logs: list[Path]) -> dict[str, object]:
     for log in logs:
         for line in log.read_text(errors="replace").splitlines():
             if line.startswith(_RECORD):
-                record = json.loads(line[len(_RECORD):])
+                record = json.loads(line[len(_RECORD) :])
                 mode = record.get("mode") or ("eager" if record["eager"] else "graphs")
                 mode += "-2A1F-dbo" if record.get("dbo") else ""
                 records[(record["family"], mode)] = (record, log.name)
@@ -65,10 +65,13 @@ def equality(logs: list[Path]) -> dict[str, object]:
         share = record["equal_positions"] / record["positions"]
         equal = record["all_equal"] if record["dtype"] == "float32" else share >= BF16_MIN_EQUAL
         by_mode.setdefault(family, {})[mode] = {
-            "equal": equal, "equal_positions": record["equal_positions"], "positions": record["positions"],
-            "prompt_logprob_max_abs_diff": record["prompt_logprob_max_abs_diff"], "dtype": record["dtype"],
+            "equal": equal,
+            "equal_positions": record["equal_positions"],
+            "positions": record["positions"],
+            "prompt_logprob_max_abs_diff": record["prompt_logprob_max_abs_diff"],
+            "dtype": record["dtype"],
             "log": log,
-        }  # fmt: skip
+        }
     return {
         "equal_tokens": {family: all(m["equal"] for m in modes.values()) for family, modes in by_mode.items()},
         "equal_tokens_by_mode": by_mode,
@@ -94,8 +97,9 @@ def _sides(results: list[BenchResult], labels: tuple[str, ...]) -> tuple[_ByBatc
                 continue
             batch = str(run.concurrency)
             table.setdefault(batch, {})[run.label] = {
-                "output_tok_s": round(run.output_tokens_per_s, 1), "tpot_p50_ms": round(run.tpot.p50_ms, 2),
-            }  # fmt: skip
+                "output_tok_s": round(run.output_tokens_per_s, 1),
+                "tpot_p50_ms": round(run.tpot.p50_ms, 2),
+            }
             if run.ffn and run.ffn[0].split is not None:
                 split.setdefault(batch, {})[run.label] = {
                     k: round(v, 4) for k, v in run.ffn[0].split.model_dump().items()

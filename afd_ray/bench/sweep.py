@@ -67,9 +67,7 @@ def layouts_from_ranges(attention: str, ffn: str) -> tuple[Topology, ...]:
         ValueError: a range does not parse; names `--attention` or `--ffn`.
     """
     return tuple(
-        Topology(attention=a, ffn=f)
-        for a in parse_range("--attention", attention)
-        for f in parse_range("--ffn", ffn)
+        Topology(attention=a, ffn=f) for a in parse_range("--attention", attention) for f in parse_range("--ffn", ffn)
     )
 
 

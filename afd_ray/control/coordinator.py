@@ -24,16 +24,15 @@ import time
 
 from ray import serve
 
-from afd_ray.autoscale.policy import AutoscalePolicy, MetricsSnapshot
+from afd_ray.autoscale.schema import AutoscalePolicy, MetricsSnapshot
 from afd_ray.config import (
     AttentionPoolConfig,
     AutoscaleConfig,
     ConnectorConfig,
     FFNPoolConfig,
     ObservabilityConfig,
-    Platform,
 )
-from afd_ray.connector.channel import FFNAddress
+from afd_ray.connector.header import FFNAddress
 from afd_ray.control.autoscaler import Autoscaler
 from afd_ray.control.membership import (
     AFDStatus,
@@ -58,7 +57,7 @@ from afd_ray.observability.signals import AttentionReport, SignalAggregator
 from afd_ray.observability.stall import LoopWatch
 from afd_ray.observability.stats import FFNStats
 from afd_ray.observability.steps import AttentionStep, FFNStep, StepLog, TokenBreakdown
-from afd_ray.platform import collective_backend
+from afd_ray.platform import Platform, collective_backend
 
 __all__ = ["ATTENTION_DEPLOYMENT", "FFN_DEPLOYMENT", "Coordinator"]
 
@@ -98,12 +97,11 @@ class Coordinator:
     ) -> None:
         app = serve.get_replica_context().app_name
         LoopWatch(asyncio.get_running_loop(), "coordinator")  # a blocked loop stalls every member: log where
-        self._registry = Registry(
-            collective_backend(platform), connector.timeout_s, ffn.num_ranks, connector.transport
-        )
+        self._registry = Registry(collective_backend(platform), connector.timeout_s, ffn.num_ranks, connector.transport)
         self._resizer = Resizer(self._registry, app, attention, ffn, autoscale)
-        self._recovery = Recovery(self._registry, self._resizer, app, ffn.heartbeat_timeout_s,
-                                  autoscale.resize_timeout_s)  # fmt: skip
+        self._recovery = Recovery(
+            self._registry, self._resizer, app, ffn.heartbeat_timeout_s, autoscale.resize_timeout_s
+        )
         self._signals = SignalAggregator()
         self._steps = StepLog(observability.step_records)
         self._published = CoordinatorPublisher() if observability.metrics else None
@@ -154,8 +152,9 @@ class Coordinator:
                 rank in, within `wait_s` seconds.
         """
         registry = self._registry
-        await registry.wait(lambda: rank in registry.layout or (registry.plan is not None and rank in registry.plan.ranks),
-                            wait_s)  # fmt: skip
+        await registry.wait(
+            lambda: rank in registry.layout or (registry.plan is not None and rank in registry.plan.ranks), wait_s
+        )
         if rank in registry.layout:
             return registry.ep_assignment(rank, registry.layout, registry.layout_epoch)
         assert registry.plan is not None
@@ -361,10 +360,13 @@ class Coordinator:
         metrics = await self.metrics()
         return PoolLoad(
             attention_ranks=sum(m.state is MemberState.READY for m in registry.attention.values()),
-            kv_cache_usage=metrics.kv_cache_usage, ffn_tokens_per_step=metrics.tokens_per_ffn_step,
-            ttft_p90_s=metrics.ttft_p90_s, tpot_p90_s=metrics.tpot_p90_s, resizing=self._resizer.busy,
+            kv_cache_usage=metrics.kv_cache_usage,
+            ffn_tokens_per_step=metrics.tokens_per_ffn_step,
+            ttft_p90_s=metrics.ttft_p90_s,
+            tpot_p90_s=metrics.tpot_p90_s,
+            resizing=self._resizer.busy,
             recovering=self._recovery.recovering,
-        )  # fmt: skip
+        )
 
     async def status(self) -> AFDStatus:
         """Epoch, the attention ranks with their state and FFN peer (a GONE one until

@@ -133,8 +133,9 @@ def check_sizes(attention: int, ffn: int, attention_pool: AttentionPoolConfig, f
     `min_ranks`..`max_ranks`."""
     for name, value, pool in (("attention", attention, attention_pool), ("ffn", ffn, ffn_pool)):
         if not pool.min_ranks <= value <= pool.upper:
-            raise ValueError(f"{name}: {value} is outside [{pool.min_ranks}, {pool.upper}] "
-                             f"({name}.min_ranks, {name}.max_ranks)")  # fmt: skip
+            raise ValueError(
+                f"{name}: {value} is outside [{pool.min_ranks}, {pool.upper}] ({name}.min_ranks, {name}.max_ranks)"
+            )
 
 
 def clamp(target: int, pool: AttentionPoolConfig | FFNPoolConfig) -> int:

@@ -27,7 +27,7 @@ Recovery, under the layout lock (no resize interleaves):
 3. attention ranks are rebalanced onto the new layout (re-peered under new epochs);
    with EP, the attention ranks of the surviving EP ranks are re-peered too, under
    new epochs with the same peer: a surviving rank whose EP group failed closed
-   their pairs (`afd_ray.ffn.runtime`), and their in-step retry waits for a newer
+   their pairs (`afd_ray.ffn.layout`), and their in-step retry waits for a newer
    epoch; an attention rank whose engine failed with its peer is replaced by Serve;
 4. the lost ranks are retired: `/afd/status` lists them (GONE) only until the
    layout is whole again; `recoveries` keeps each loss.
@@ -95,10 +95,15 @@ class Recovery:
     """
 
     def __init__(
-        self, registry: Registry, resizer: Resizer, app: str, heartbeat_timeout_s: float, wait_s: float,
+        self,
+        registry: Registry,
+        resizer: Resizer,
+        app: str,
+        heartbeat_timeout_s: float,
+        wait_s: float,
         clock: Callable[[], float] = time.monotonic,
         replicas: Callable[[str, str], Awaitable[dict[str, str]]] = replica_states,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self._clock = clock
         self._replicas = replicas
         self._registry = registry
@@ -144,8 +149,11 @@ class Recovery:
         silent = any(now - self._last_report.get(r, now - EP_LOST_GRACE_S) >= EP_LOST_GRACE_S for r in registry.layout)
         if self._unrecovered is not None or registry.plan is not None or silent:
             return []
-        return [r for r in registry.layout if registry.ffn[r].epoch == registry.layout_epoch
-                and now - self._ep_lost.get(r, now) >= EP_LOST_GRACE_S]  # fmt: skip
+        return [
+            r
+            for r in registry.layout
+            if registry.ffn[r].epoch == registry.layout_epoch and now - self._ep_lost.get(r, now) >= EP_LOST_GRACE_S
+        ]
 
     def record_bytes(self, num_bytes: int) -> None:
         """A rank loaded `num_bytes` for a layout while recovering."""
@@ -281,16 +289,28 @@ class Recovery:
                 await registry.notify()
                 registry.retire_gone_ffn(self._resizer.targets[FFN_DEPLOYMENT])
                 self._unrecovered = None
-                update = {"epoch": plan.epoch, "whole_s": time.monotonic() - loss.detected, "bytes_loaded": self._bytes,
-                          "error": None}  # fmt: skip
-                logger.info("FFN layout recovered: EP ranks %s (epoch %d) %.1f s after losing %s", plan.ranks,
-                            plan.epoch, update["whole_s"], self.events[loss.event].lost)  # fmt: skip
+                update = {
+                    "epoch": plan.epoch,
+                    "whole_s": time.monotonic() - loss.detected,
+                    "bytes_loaded": self._bytes,
+                    "error": None,
+                }
+                logger.info(
+                    "FFN layout recovered: EP ranks %s (epoch %d) %.1f s after losing %s",
+                    plan.ranks,
+                    plan.epoch,
+                    update["whole_s"],
+                    self.events[loss.event].lost,
+                )
             except Exception as exc:
                 registry.plan = None  # the plan this attempt published, if any: no rank prepares it any more
                 self._retry_at = time.monotonic() + min(RETRY_S, self._wait_s)
                 update = {"error": f"{type(exc).__name__}: {exc}"}
-                logger.exception("FFN recovery of %s failed (attempt %d); it is retried", self.events[loss.event].lost,
-                                 self.events[loss.event].attempts)  # fmt: skip
+                logger.exception(
+                    "FFN recovery of %s failed (attempt %d); it is retried",
+                    self.events[loss.event].lost,
+                    self.events[loss.event].attempts,
+                )
             self.events[loss.event] = self.events[loss.event].model_copy(update=update)
 
     def _loss_event(
@@ -301,11 +321,13 @@ class Recovery:
         rejoined it: dead) and the ranks whose EP group failed (`group`)."""
         if lost:
             first = lost[0]
-            return RecoveryEvent(lost=lost, cause=dead[first], detected_s=time.time(),
-                                 since_report_s=self._since_report(first))  # fmt: skip
+            return RecoveryEvent(
+                lost=lost, cause=dead[first], detected_s=time.time(), since_report_s=self._since_report(first)
+            )
         unknown = [r for r in before if r not in self._registry.ffn]
-        cause = (f"FFN ranks {group} reported their EP group of epoch {self._registry.layout_epoch} lost"
-                 + (f"; FFN ranks {unknown} of it never rejoined this coordinator" if unknown else ""))  # fmt: skip
+        cause = f"FFN ranks {group} reported their EP group of epoch {self._registry.layout_epoch} lost" + (
+            f"; FFN ranks {unknown} of it never rejoined this coordinator" if unknown else ""
+        )
         return RecoveryEvent(lost=unknown, cause=cause, detected_s=time.time(), since_report_s=0.0)
 
     async def _reform(self, before: tuple[int, ...]) -> Plan:

@@ -16,8 +16,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from afd_ray.connector.channel import FFNAddress
-from afd_ray.connector.link import TransportChoice, select_transport
+from afd_ray.connector.header import FFNAddress
+from afd_ray.connector.transports import TransportChoice, select_transport
 from afd_ray.control.membership import (
     AttentionAssignment,
     AttentionDirective,
@@ -139,8 +139,11 @@ class Registry:
         self._next_ffn = max(self._next_ffn, member.rank + 1, *(r + 1 for r in layout))
         if member.ep_rank is not None and member.epoch is not None:
             self._told[member.epoch] = layout
-        serving = [m for m in self.ffn.values()
-                   if m.ep_rank is not None and m.epoch is not None and m.state is not MemberState.GONE]  # fmt: skip
+        serving = [
+            m
+            for m in self.ffn.values()
+            if m.ep_rank is not None and m.epoch is not None and m.state is not MemberState.GONE
+        ]
         newest = max((m.epoch for m in serving), default=0)
         told = self._told.get(newest, ())
         joined = tuple(r for r in told if any(m.rank == r and m.epoch == newest for m in serving))
@@ -150,9 +153,13 @@ class Registry:
             logger.info("FFN layout of epoch %d rejoined: EP ranks %s of %s", newest, joined, told)
         for stale in (m for m in serving if m.epoch < self.layout_epoch and m.rank not in self.layout):
             self.update_ffn(stale.rank, state=MemberState.GONE, ep_rank=None)
-            logger.warning("FFN rank %d rejoined with the layout of epoch %d, older than the layout of epoch %d "
-                           "without it: it was removed, it stays fenced", stale.rank, stale.epoch,
-                           self.layout_epoch)  # fmt: skip
+            logger.warning(
+                "FFN rank %d rejoined with the layout of epoch %d, older than the layout of epoch %d "
+                "without it: it was removed, it stays fenced",
+                stale.rank,
+                stale.epoch,
+                self.layout_epoch,
+            )
 
     def rejoin_attention(self, member: AttentionMember) -> None:
         """A running attention rank re-registers after a coordinator restart."""
@@ -171,9 +178,12 @@ class Registry:
         `node`, peered with the least loaded FFN rank of the layout, under the
         current epoch. Requires a layout."""
         member = AttentionMember(
-            rank=self._next_attention, ffn_peer=least_loaded(peer_load(self.attention, self.layout)),
-            epoch=self.epoch, replica=replica, node=node,
-        )  # fmt: skip
+            rank=self._next_attention,
+            ffn_peer=least_loaded(peer_load(self.attention, self.layout)),
+            epoch=self.epoch,
+            replica=replica,
+            node=node,
+        )
         self._next_attention += 1
         self.attention[member.rank] = member
         return member
@@ -233,8 +243,12 @@ class Registry:
         registry does not know it."""
         member = self.attention.get(rank)
         if member is None:
-            logger.warning("attention rank %d reported %s but is not registered here (the coordinator restarted "
-                           "before it rejoined): ignored, it rejoins at its next poll", rank, report)  # fmt: skip
+            logger.warning(
+                "attention rank %d reported %s but is not registered here (the coordinator restarted "
+                "before it rejoined): ignored, it rejoins at its next poll",
+                rank,
+                report,
+            )
         return member
 
     def repeer(self, rank: int, ffn_peer: int) -> None:
@@ -286,9 +300,15 @@ class Registry:
         store hosts the EP rendezvous."""
         host = self.ffn[ranks[0]].address
         return EPAssignment(
-            ep_rank=ranks.index(rank), ep_size=len(ranks), host=host.host, store_port=host.store_port,
-            epoch=epoch, backend=self.backend, timeout_s=self.timeout_s, ranks=ranks,
-        )  # fmt: skip
+            ep_rank=ranks.index(rank),
+            ep_size=len(ranks),
+            host=host.host,
+            store_port=host.store_port,
+            epoch=epoch,
+            backend=self.backend,
+            timeout_s=self.timeout_s,
+            ranks=ranks,
+        )
 
     def attention_assignment(self, rank: int) -> AttentionAssignment:
         """Attention rank `rank`'s current FFN peer, pairing epoch and the pair's
@@ -297,10 +317,15 @@ class Registry:
         address = self.ffn[member.ffn_peer].address
         same_node = bool(member.node) and member.node == address.node
         return AttentionAssignment(
-            peer=member.rank, ffn_rank=member.ffn_peer, host=address.host, store_port=address.store_port,
-            control_port=address.control_port, epoch=member.epoch,
-            transport=select_transport(self.transport, self.backend, same_node), timeout_s=self.timeout_s,
-        )  # fmt: skip
+            peer=member.rank,
+            ffn_rank=member.ffn_peer,
+            host=address.host,
+            store_port=address.store_port,
+            control_port=address.control_port,
+            epoch=member.epoch,
+            transport=select_transport(self.transport, self.backend, same_node),
+            timeout_s=self.timeout_s,
+        )
 
     def attention_directive(self, rank: int) -> AttentionDirective | None:
         """What attention rank `rank` must do now (`Coordinator.attention_poll`); None:

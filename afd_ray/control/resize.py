@@ -131,10 +131,18 @@ class Resizer:
                 error = f"{type(exc).__name__}: {exc}"
                 logger.exception("resize failed")
             event = ResizeEvent(
-                reason=reason, from_attention=before[0], from_ffn=before[1], to_attention=request.attention,
-                to_ffn=request.ffn, epoch=registry.epoch, started_s=started, duration_s=time.time() - started,
-                pause_s=self._pause_s, bytes_loaded=self._bytes, error=error,
-            )  # fmt: skip
+                reason=reason,
+                from_attention=before[0],
+                from_ffn=before[1],
+                to_attention=request.attention,
+                to_ffn=request.ffn,
+                epoch=registry.epoch,
+                started_s=started,
+                duration_s=time.time() - started,
+                pause_s=self._pause_s,
+                bytes_loaded=self._bytes,
+                error=error,
+            )
             self.resizes.append(event)
             logger.info("resize done: %s", event.model_dump_json())
             return event
@@ -145,8 +153,10 @@ class Resizer:
             self.targets[ATTENTION_DEPLOYMENT] = request.attention
             await set_num_replicas(self._app, ATTENTION_DEPLOYMENT, request.attention)
             await registry.wait(
-                lambda: sum(m.state is MemberState.READY for m in registry.attention.values()) == request.attention
-                and all(m.state in (MemberState.READY, MemberState.GONE) for m in registry.attention.values()),
+                lambda: (
+                    sum(m.state is MemberState.READY for m in registry.attention.values()) == request.attention
+                    and all(m.state in (MemberState.READY, MemberState.GONE) for m in registry.attention.values())
+                ),
                 wait_s,
             )
             async with self.layout_lock:
@@ -234,7 +244,7 @@ class Resizer:
         await registry.wait(
             lambda: all(registry.attention[r].peered or registry.attention[r].state is MemberState.GONE for r in moved),
             self._timeout_s,
-        )  # fmt: skip
+        )
 
     async def _serve_routes(self, deployment: str, num_replicas: int, wait_s: float) -> None:
         """Until Serve runs exactly `num_replicas` replicas of `deployment` (new ones
@@ -266,8 +276,13 @@ class Resizer:
         try:
             await registry.wait(lambda: running <= {m.replica for m in members.values()}, REJOIN_WAIT_S)
         except TimeoutError:
-            logger.warning("%s replicas %s did not rejoin within %.0f s; %s registers anyway", deployment,
-                           sorted(running - {m.replica for m in members.values()}), REJOIN_WAIT_S, replica)  # fmt: skip
+            logger.warning(
+                "%s replicas %s did not rejoin within %.0f s; %s registers anyway",
+                deployment,
+                sorted(running - {m.replica for m in members.values()}),
+                REJOIN_WAIT_S,
+                replica,
+            )
 
     async def follow_serve_targets(self) -> None:
         """Take the pools' targets from Serve's replica counts once (a restarted

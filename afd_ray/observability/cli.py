@@ -23,8 +23,10 @@ def format_trace(request_id: str, steps: list[dict[str, object]]) -> str:
     lines = [f"request {request_id}: {len(steps)} engine steps (ms)", head]
     for step in steps:
         parts = " ".join(f"{1e3 * float(step[p]):13.2f}" for p in _PARTS)
-        lines.append(f"{step['step_id']:>6} {step['attention_rank']:>4} {step['num_tokens']:>6} "
-                     f"{1e3 * float(step['total_s']):8.2f} {parts}")  # fmt: skip
+        lines.append(
+            f"{step['step_id']:>6} {step['attention_rank']:>4} {step['num_tokens']:>6} "
+            f"{1e3 * float(step['total_s']):8.2f} {parts}"
+        )
     total = sum(float(step["total_s"]) for step in steps)
     sums = [sum(float(step[p]) for step in steps) for p in _PARTS]
     lines.append(f"{'sum':>6} {'':>4} {'':>6} {1e3 * total:8.2f} " + " ".join(f"{1e3 * s:13.2f}" for s in sums))
@@ -81,7 +83,6 @@ def add_dashboards(subparsers: argparse._SubParsersAction) -> None:
     export.set_defaults(handler=_export)
     push = sub.add_parser("push", help="create or update the dashboard in a Grafana (grafana-client)")
     push.add_argument("--url", type=http_url, required=True, help="Grafana's address, e.g. http://grafana:3000")
-    push.add_argument("--token-env", required=True,
-                      help="environment variable holding a Grafana service-account token")  # fmt: skip
+    push.add_argument("--token-env", required=True, help="environment variable holding a Grafana service-account token")
     push.add_argument("--folder-uid", default=None, help="Grafana folder to put it in (default: General)")
     push.set_defaults(handler=_push)

@@ -60,68 +60,159 @@ _RESIZE_S = (0.001, 0.01, 0.1, 0.5, 1, 5, 10, 30, 60, 120, 300, 600)
 _RANK = ("pool", "rank", "epoch")
 
 METRICS: tuple[Metric, ...] = (
-    Metric("afd_ffn_steps", Kind.COUNTER, "steps",
-           "FFN forward steps served (one step runs every FFN layer for the attention peers in it).", _RANK),
-    Metric("afd_ffn_tokens", Kind.COUNTER, "tokens",
-           "Token rows served by an FFN rank, summed over steps (not over layers).", _RANK),
-    Metric("afd_ffn_busy_seconds", Kind.COUNTER, "seconds",
-           "Wall time an FFN rank spent inside steps (receive + compute + send); its rate is the busy "
-           "fraction.", _RANK),
-    Metric("afd_ffn_tokens_per_step", Kind.HISTOGRAM, "tokens",
-           "Token rows of one FFN step, over all its attention peers.", _RANK, _TOKENS),
-    Metric("afd_ffn_queue_seconds", Kind.HISTOGRAM, "seconds",
-           "Batching window of one FFN step: from its first step header to the start of its compute.",
-           _RANK, _STEP_S),
-    Metric("afd_ffn_compute_seconds", Kind.HISTOGRAM, "seconds",
-           "FFN compute of one step, every layer, without EP collectives and without waiting for A2F "
-           "tensors.", _RANK, _STEP_S),
-    Metric("afd_ffn_ep_collective_seconds", Kind.HISTOGRAM, "seconds",
-           "EP collectives (all-gather of rows and routing, reduce-scatter of outputs) of one FFN step, "
-           "every layer.", _RANK, _STEP_S),
-    Metric("afd_ffn_split_seconds", Kind.COUNTER, "seconds",
-           "Timed FFN steps split on the FFN rank's device timeline (afd_ray.observability.timeline), by "
-           "part: attention (waits for each later layer's rows: the attention rank's per-layer work and A2F), "
-           "wire (F2A copies and signals), ffn (FFN compute, EP collectives included), idle (previous step's "
-           "last F2A to the first layer's rows). Over the rate of afd_ffn_split_steps: seconds per step.",
-           (*_RANK, "part")),
-    Metric("afd_ffn_split_steps", Kind.COUNTER, "steps",
-           "FFN steps timed for afd_ffn_split_seconds: every step on CPU, one in "
-           "timeline.CUDA_SAMPLE_EVERY on CUDA, none starting over timeline.IDLE_GAP_S after the previous one.",
-           _RANK),
-    Metric("afd_a2f_bytes", Kind.COUNTER, "bytes",
-           "Bytes an FFN rank received from its attention peers (hidden states, and top-k ids and "
-           "weights with gate_on_attention).", _RANK),
-    Metric("afd_f2a_bytes", Kind.COUNTER, "bytes",
-           "Bytes an FFN rank sent back to its attention peers (FFN outputs).", _RANK),
-    Metric("afd_expert_tokens", Kind.COUNTER, "tokens",
-           "Rows routed to each expert by the tokens an FFN rank served, summed over MoE layers.",
-           (*_RANK, "expert")),
-    Metric("afd_expert_imbalance", Kind.GAUGE, "ratio",
-           "Expert load imbalance of an FFN rank's tokens since its previous report: max over experts / "
-           "mean over experts of the rows routed (1 = balanced).", _RANK),
-    Metric("afd_connector_wait_seconds", Kind.HISTOGRAM, "seconds",
-           "Time one attention step was blocked in the FFN exchange (A2F send to F2A receive), summed "
-           "over layers.", _RANK, _STEP_S),
-    Metric("afd_pool_ranks", Kind.GAUGE, "ranks",
-           "Live members (starting or ready) of a pool.", ("pool",)),
-    Metric("afd_pool_target_ranks", Kind.GAUGE, "ranks",
-           "Target size of a pool (the last resize asked for it).", ("pool",)),
-    Metric("afd_epoch", Kind.GAUGE, "epoch",
-           "Membership epoch of the application (bumped by every re-peering and FFN layout switch).", ()),
-    Metric("afd_resizes", Kind.COUNTER, "resizes",
-           "Resizes finished, by who asked (manual or autoscaler) and outcome (ok or error).",
-           ("trigger", "outcome")),
-    Metric("afd_resize_seconds", Kind.HISTOGRAM, "seconds",
-           "Duration of a resize, from the request to the new layout serving.", ("trigger",), _RESIZE_S),
-    Metric("afd_resize_pause_seconds", Kind.HISTOGRAM, "seconds",
-           "Longest step-boundary pause of the FFN loop during a resize (0 when none paused).",
-           ("trigger",), _RESIZE_S),
-    Metric("afd_autoscale_decisions", Kind.COUNTER, "decisions",
-           "Autoscaler evaluations per pool, by action (out: grow, in: shrink, hold) and reason: the "
-           "deciding signal, all_below, bounds, in_band or no_signals (Decision.attention_cause); the "
-           "full reason text is in the coordinator's log and, for a resize, in /afd/status.",
-           ("pool", "action", "reason")),
-)  # fmt: skip
+    Metric(
+        "afd_ffn_steps",
+        Kind.COUNTER,
+        "steps",
+        "FFN forward steps served (one step runs every FFN layer for the attention peers in it).",
+        _RANK,
+    ),
+    Metric(
+        "afd_ffn_tokens",
+        Kind.COUNTER,
+        "tokens",
+        "Token rows served by an FFN rank, summed over steps (not over layers).",
+        _RANK,
+    ),
+    Metric(
+        "afd_ffn_busy_seconds",
+        Kind.COUNTER,
+        "seconds",
+        "Wall time an FFN rank spent inside steps (receive + compute + send); its rate is the busy fraction.",
+        _RANK,
+    ),
+    Metric(
+        "afd_ffn_tokens_per_step",
+        Kind.HISTOGRAM,
+        "tokens",
+        "Token rows of one FFN step, over all its attention peers.",
+        _RANK,
+        _TOKENS,
+    ),
+    Metric(
+        "afd_ffn_queue_seconds",
+        Kind.HISTOGRAM,
+        "seconds",
+        "Batching window of one FFN step: from its first step header to the start of its compute.",
+        _RANK,
+        _STEP_S,
+    ),
+    Metric(
+        "afd_ffn_compute_seconds",
+        Kind.HISTOGRAM,
+        "seconds",
+        "FFN compute of one step, every layer, without EP collectives and without waiting for A2F tensors.",
+        _RANK,
+        _STEP_S,
+    ),
+    Metric(
+        "afd_ffn_ep_collective_seconds",
+        Kind.HISTOGRAM,
+        "seconds",
+        "EP collectives (all-gather of rows and routing, reduce-scatter of outputs) of one FFN step, every layer.",
+        _RANK,
+        _STEP_S,
+    ),
+    Metric(
+        "afd_ffn_split_seconds",
+        Kind.COUNTER,
+        "seconds",
+        "Timed FFN steps split on the FFN rank's device timeline (afd_ray.observability.timeline), by "
+        "part: attention (waits for each later layer's rows: the attention rank's per-layer work and A2F), "
+        "wire (F2A copies and signals), ffn (FFN compute, EP collectives included), idle (previous step's "
+        "last F2A to the first layer's rows). Over the rate of afd_ffn_split_steps: seconds per step.",
+        (*_RANK, "part"),
+    ),
+    Metric(
+        "afd_ffn_split_steps",
+        Kind.COUNTER,
+        "steps",
+        "FFN steps timed for afd_ffn_split_seconds: every step on CPU, one in "
+        "timeline.CUDA_SAMPLE_EVERY on CUDA, none starting over timeline.IDLE_GAP_S after the previous one.",
+        _RANK,
+    ),
+    Metric(
+        "afd_a2f_bytes",
+        Kind.COUNTER,
+        "bytes",
+        "Bytes an FFN rank received from its attention peers (hidden states, and top-k ids and "
+        "weights with gate_on_attention).",
+        _RANK,
+    ),
+    Metric(
+        "afd_f2a_bytes",
+        Kind.COUNTER,
+        "bytes",
+        "Bytes an FFN rank sent back to its attention peers (FFN outputs).",
+        _RANK,
+    ),
+    Metric(
+        "afd_expert_tokens",
+        Kind.COUNTER,
+        "tokens",
+        "Rows routed to each expert by the tokens an FFN rank served, summed over MoE layers.",
+        (*_RANK, "expert"),
+    ),
+    Metric(
+        "afd_expert_imbalance",
+        Kind.GAUGE,
+        "ratio",
+        "Expert load imbalance of an FFN rank's tokens since its previous report: max over experts / "
+        "mean over experts of the rows routed (1 = balanced).",
+        _RANK,
+    ),
+    Metric(
+        "afd_connector_wait_seconds",
+        Kind.HISTOGRAM,
+        "seconds",
+        "Time one attention step was blocked in the FFN exchange (A2F send to F2A receive), summed over layers.",
+        _RANK,
+        _STEP_S,
+    ),
+    Metric("afd_pool_ranks", Kind.GAUGE, "ranks", "Live members (starting or ready) of a pool.", ("pool",)),
+    Metric(
+        "afd_pool_target_ranks", Kind.GAUGE, "ranks", "Target size of a pool (the last resize asked for it).", ("pool",)
+    ),
+    Metric(
+        "afd_epoch",
+        Kind.GAUGE,
+        "epoch",
+        "Membership epoch of the application (bumped by every re-peering and FFN layout switch).",
+        (),
+    ),
+    Metric(
+        "afd_resizes",
+        Kind.COUNTER,
+        "resizes",
+        "Resizes finished, by who asked (manual or autoscaler) and outcome (ok or error).",
+        ("trigger", "outcome"),
+    ),
+    Metric(
+        "afd_resize_seconds",
+        Kind.HISTOGRAM,
+        "seconds",
+        "Duration of a resize, from the request to the new layout serving.",
+        ("trigger",),
+        _RESIZE_S,
+    ),
+    Metric(
+        "afd_resize_pause_seconds",
+        Kind.HISTOGRAM,
+        "seconds",
+        "Longest step-boundary pause of the FFN loop during a resize (0 when none paused).",
+        ("trigger",),
+        _RESIZE_S,
+    ),
+    Metric(
+        "afd_autoscale_decisions",
+        Kind.COUNTER,
+        "decisions",
+        "Autoscaler evaluations per pool, by action (out: grow, in: shrink, hold) and reason: the "
+        "deciding signal, all_below, bounds, in_band or no_signals (Decision.attention_cause); the "
+        "full reason text is in the coordinator's log and, for a resize, in /afd/status.",
+        ("pool", "action", "reason"),
+    ),
+)
 
 _BY_NAME = {metric.name: metric for metric in METRICS}
 

@@ -22,12 +22,23 @@ class FFNPublisher:
 
     def __init__(self, rank: int) -> None:
         self._rank = str(rank)
-        self._metrics = MetricSet((
-            "afd_ffn_steps", "afd_ffn_tokens", "afd_ffn_busy_seconds", "afd_ffn_tokens_per_step",
-            "afd_ffn_queue_seconds", "afd_ffn_compute_seconds", "afd_ffn_ep_collective_seconds",
-            "afd_ffn_split_seconds", "afd_ffn_split_steps", "afd_a2f_bytes", "afd_f2a_bytes", "afd_expert_tokens",
-            "afd_expert_imbalance",
-        ))  # fmt: skip
+        self._metrics = MetricSet(
+            (
+                "afd_ffn_steps",
+                "afd_ffn_tokens",
+                "afd_ffn_busy_seconds",
+                "afd_ffn_tokens_per_step",
+                "afd_ffn_queue_seconds",
+                "afd_ffn_compute_seconds",
+                "afd_ffn_ep_collective_seconds",
+                "afd_ffn_split_seconds",
+                "afd_ffn_split_steps",
+                "afd_a2f_bytes",
+                "afd_f2a_bytes",
+                "afd_expert_tokens",
+                "afd_expert_imbalance",
+            )
+        )
         self._stats = FFNStats()
         self._expert_tokens: list[int] = []
 
@@ -90,10 +101,17 @@ class CoordinatorPublisher:
     """Pool sizes, epoch, resizes and autoscaler decisions (create in the coordinator)."""
 
     def __init__(self) -> None:
-        self._metrics = MetricSet((
-            "afd_pool_ranks", "afd_pool_target_ranks", "afd_epoch", "afd_resizes", "afd_resize_seconds",
-            "afd_resize_pause_seconds", "afd_autoscale_decisions",
-        ))  # fmt: skip
+        self._metrics = MetricSet(
+            (
+                "afd_pool_ranks",
+                "afd_pool_target_ranks",
+                "afd_epoch",
+                "afd_resizes",
+                "afd_resize_seconds",
+                "afd_resize_pause_seconds",
+                "afd_autoscale_decisions",
+            )
+        )
 
     def pools(self, live: dict[str, int], targets: dict[str, int], epoch: int) -> None:
         """Set the pool gauges: live members and target per pool (`attention`, `ffn`)."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from afd_ray.autoscale.policy import MetricsSnapshot
+from afd_ray.autoscale.schema import MetricsSnapshot
 from afd_ray.observability.stats import FFNStats
 
 __all__ = ["AttentionReport", "SignalAggregator", "p90"]
@@ -93,9 +93,7 @@ class SignalAggregator:
         while len(counters) > 1 and counters[1].time_s <= now - self.window_s:
             counters.popleft()
 
-    def snapshot(
-        self, now: float, attention_ranks: Iterable[int], ffn_ranks: Iterable[int]
-    ) -> MetricsSnapshot:
+    def snapshot(self, now: float, attention_ranks: Iterable[int], ffn_ranks: Iterable[int]) -> MetricsSnapshot:
         """The signals of the given live ranks over `[now - window_s, now]`.
 
         - `kv_cache_usage`: mean over ranks of each rank's latest report;
@@ -128,9 +126,7 @@ class SignalAggregator:
             if not counters or counters[-1].time_s < start or len(counters) < 2:
                 continue
             first, last = counters[0], counters[-1]
-            busy.append(
-                min(max((last.stats.busy_s - first.stats.busy_s) / (last.time_s - first.time_s), 0.0), 1.0)
-            )
+            busy.append(min(max((last.stats.busy_s - first.stats.busy_s) / (last.time_s - first.time_s), 0.0), 1.0))
             ffn_tokens += last.stats.tokens - first.stats.tokens
             ffn_steps += last.stats.steps - first.stats.steps
         return MetricsSnapshot(

@@ -34,8 +34,9 @@ class LoopWatch:
         period_s: time between two checks, seconds.
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, name: str, threshold_s: float = 1.0,
-                 period_s: float = 0.5) -> None:  # fmt: skip
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, name: str, threshold_s: float = 1.0, period_s: float = 0.5
+    ) -> None:
         self._loop, self._name = loop, name
         self._loop_thread = threading.get_ident()
         self._threshold_s, self._period_s = threshold_s, period_s
@@ -54,8 +55,12 @@ class LoopWatch:
                 continue
             frame = sys._current_frames().get(self._loop_thread)
             stack = "".join(traceback.format_stack(frame)) if frame is not None else "(thread gone)\n"
-            logger.warning("%s event loop has run nothing for %.1f s; its thread is at:\n%s",
-                           self._name, time.monotonic() - scheduled, stack)  # fmt: skip
+            logger.warning(
+                "%s event loop has run nothing for %.1f s; its thread is at:\n%s",
+                self._name,
+                time.monotonic() - scheduled,
+                stack,
+            )
             while not ran.wait(self._period_s):
                 if self._loop.is_closed():
                     return

@@ -151,9 +151,7 @@ class TokenBreakdown(BaseModel):
     f2a_s: float
 
 
-def breakdown(
-    request_id: str, attention: Iterable[AttentionStep], ffn: Iterable[FFNStep]
-) -> list[TokenBreakdown]:
+def breakdown(request_id: str, attention: Iterable[AttentionStep], ffn: Iterable[FFNStep]) -> list[TokenBreakdown]:
     """The steps that served `request_id`, each split as the module docstring says.
 
     A step is kept when one of its engine request ids is `request_id` or starts with
@@ -198,12 +196,20 @@ def _split(step: AttentionStep, total_s: float, joined: tuple[FFNStep, PeerStep]
         queue, compute, ep, f2a = capped
         ffn_tokens = sum(p.num_tokens for p in ffn_step.peers)
     return TokenBreakdown(
-        attention_rank=step.rank, epoch=step.epoch, step_id=step.step_id, start_s=step.start_s,
-        num_tokens=step.num_tokens, ffn_tokens=ffn_tokens, total_s=total_s,
+        attention_rank=step.rank,
+        epoch=step.epoch,
+        step_id=step.step_id,
+        start_s=step.start_s,
+        num_tokens=step.num_tokens,
+        ffn_tokens=ffn_tokens,
+        total_s=total_s,
         attention_s=max(total_s - step.exchange_s, 0.0),
         wire_s=max(step.exchange_s - queue - compute - ep - f2a, 0.0),
-        ffn_queue_s=queue, ffn_compute_s=compute, ep_collective_s=ep, f2a_s=f2a,
-    )  # fmt: skip
+        ffn_queue_s=queue,
+        ffn_compute_s=compute,
+        ep_collective_s=ep,
+        f2a_s=f2a,
+    )
 
 
 class StepLog:

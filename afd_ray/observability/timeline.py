@@ -119,16 +119,22 @@ class StepSplit:
 
     def __add__(self, other: StepSplit) -> StepSplit:
         return StepSplit(
-            self.steps + other.steps, self.attention_s + other.attention_s, self.wire_s + other.wire_s,
-            self.ffn_s + other.ffn_s, self.idle_s + other.idle_s,
-        )  # fmt: skip
+            self.steps + other.steps,
+            self.attention_s + other.attention_s,
+            self.wire_s + other.wire_s,
+            self.ffn_s + other.ffn_s,
+            self.idle_s + other.idle_s,
+        )
 
     def __sub__(self, other: StepSplit) -> StepSplit:
         """The growth of these sums since `other`, an earlier value of them."""
         return StepSplit(
-            self.steps - other.steps, self.attention_s - other.attention_s, self.wire_s - other.wire_s,
-            self.ffn_s - other.ffn_s, self.idle_s - other.idle_s,
-        )  # fmt: skip
+            self.steps - other.steps,
+            self.attention_s - other.attention_s,
+            self.wire_s - other.wire_s,
+            self.ffn_s - other.ffn_s,
+            self.idle_s - other.idle_s,
+        )
 
 
 class StepTimeline:

@@ -32,7 +32,9 @@ def _profile(args: argparse.Namespace) -> None:
     args.out.write_text(profile.model_dump_json(indent=2) + "\n")
     link = profile.link
     print(f"{profile.model} on {profile.device}; link: {link.latency_us:.1f} us + n / {link.bandwidth_gbps:.2f} GB/s")
-    print(f"{'batch':>5}{'context':>9}{'step ms':>9}{'attn ms':>9}{'FFN ms':>8}{'other ms':>9}{'FFN %':>7}{'A2F+F2A B':>11}{'xfer ms':>9}  verdict")
+    print(
+        f"{'batch':>5}{'context':>9}{'step ms':>9}{'attn ms':>9}{'FFN ms':>8}{'other ms':>9}{'FFN %':>7}{'A2F+F2A B':>11}{'xfer ms':>9}  verdict"
+    )
     for point, verdict in zip(profile.points, profile.verdicts, strict=True):
         print(
             f"{point.batch:>5}{point.context:>9.0f}{point.step_ms:>9.2f}{point.attention_ms:>9.2f}{point.ffn_ms:>8.2f}"
@@ -54,14 +56,25 @@ def add_profile(subparsers: argparse._SubParsersAction) -> None:
     source.add_argument("--model", help="embedded model name or checkpoint folder")
     source.add_argument("--tiny", choices=FAMILIES, help="a tiny random checkpoint of this family")
     profile.add_argument(
-        "--batches", type=at_most(positive_int, MAX_BATCH), nargs="+", default=[1, 2, 4, 8],
+        "--batches",
+        type=at_most(positive_int, MAX_BATCH),
+        nargs="+",
+        default=[1, 2, 4, 8],
         help=f"batch sizes, each at most {MAX_BATCH} (default: 1 2 4 8)",
     )
     profile.add_argument(
-        "--prompt-tokens", type=positive_int, nargs="+", default=[32, 128], help="prompt lengths, tokens (default: 32 128)"
+        "--prompt-tokens",
+        type=positive_int,
+        nargs="+",
+        default=[32, 128],
+        help="prompt lengths, tokens (default: 32 128)",
     )
-    profile.add_argument("--decode-steps", type=positive_int, default=16, help="decode steps timed per point (default: 16)")
-    profile.add_argument("--threads", type=positive_int, default=1, help="engine threads, as one attention rank (default: 1)")
+    profile.add_argument(
+        "--decode-steps", type=positive_int, default=16, help="decode steps timed per point (default: 16)"
+    )
+    profile.add_argument(
+        "--threads", type=positive_int, default=1, help="engine threads, as one attention rank (default: 1)"
+    )
     profile.add_argument("--out", type=Path, default=Path("profile.json"), help="profile JSON (default: profile.json)")
     profile.set_defaults(handler=_profile)
 
@@ -98,23 +111,38 @@ def add_plan(subparsers: argparse._SubParsersAction) -> None:
         help="recommend the A:F ratio and batch per attention rank from a profile (ranked alternatives)",
     )
     plan.add_argument(
-        "--profile", type=Path, required=True,
+        "--profile",
+        type=Path,
+        required=True,
         help="`afd-ray profile` JSON, or a GPU decode benchmark JSON (benchmarks/results/h200x2-2026-11-29.json)",
     )
     plan.add_argument("--model", help="with a GPU benchmark JSON: which of its models (default: the first)")
     plan.add_argument("--slo-tpot-ms", type=positive, required=True, help="TPOT target, ms")
     plan.add_argument(
-        "--devices", type=at_most(positive_int, MAX_DEVICES), required=True,
+        "--devices",
+        type=at_most(positive_int, MAX_DEVICES),
+        required=True,
         help=f"devices for attention + FFN ranks (at most {MAX_DEVICES})",
     )
     plan.add_argument(
-        "--context", type=at_most(positive, MAX_CONTEXT),
+        "--context",
+        type=at_most(positive, MAX_CONTEXT),
         help=f"mean context per sequence, tokens, at most {MAX_CONTEXT} (default: the profile's largest)",
     )
-    plan.add_argument("--output-tokens", type=positive_int, default=256, help="output tokens per request, for requests/s (default: 256)")
-    plan.add_argument("--price-per-device-hour", type=positive, default=1.0, help="price of one device-hour (default: 1)")
     plan.add_argument(
-        "--batches", type=at_most(positive_int, MAX_BATCH), nargs="+", default=list(DEFAULT_BATCHES),
+        "--output-tokens",
+        type=positive_int,
+        default=256,
+        help="output tokens per request, for requests/s (default: 256)",
+    )
+    plan.add_argument(
+        "--price-per-device-hour", type=positive, default=1.0, help="price of one device-hour (default: 1)"
+    )
+    plan.add_argument(
+        "--batches",
+        type=at_most(positive_int, MAX_BATCH),
+        nargs="+",
+        default=list(DEFAULT_BATCHES),
         help=f"batch sizes per attention rank to try (each at most {MAX_BATCH})",
     )
     plan.add_argument(

@@ -124,9 +124,7 @@ class PerformanceModel:
         self.host_cores = host_cores
         ones = [1.0] * len(points)
         batch = [float(p.batch) for p in points]
-        self.attn_coef = _lstsq(
-            [ones, batch, [p.batch * p.context for p in points]], [p.attention_ms for p in points]
-        )
+        self.attn_coef = _lstsq([ones, batch, [p.batch * p.context for p in points]], [p.attention_ms for p in points])
         self.ffn_coef = _lstsq([ones, batch], [p.ffn_ms for p in points])
         self.other_coef = _lstsq([ones, batch], [p.other_ms for p in points])
         self._row_bytes = profile.hidden_size * profile.bytes_per_elem

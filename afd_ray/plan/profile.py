@@ -214,19 +214,21 @@ def verdicts(profile: Profile) -> list[Verdict]:
         share = point.ffn_ms / point.step_ms
         num_bytes = 2 * profile.num_layers * point.batch * profile.hidden_size * profile.bytes_per_elem
         messages = 2 * profile.num_layers
-        transfer = (
-            messages * profile.link.latency_us / 1e3 + num_bytes / (profile.link.bandwidth_gbps * 1e9) * 1e3
-        )
+        transfer = messages * profile.link.latency_us / 1e3 + num_bytes / (profile.link.bandwidth_gbps * 1e9) * 1e3
         if share < MIN_FFN_SHARE:
             can_pay, reason = False, f"FFN is {share:.0%} of the step (< {MIN_FFN_SHARE:.0%}): little to offload"
         elif transfer >= point.ffn_ms:
-            can_pay, reason = False, (
-                f"A2F+F2A {transfer:.2f} ms/step ({messages} messages, {num_bytes:,.0f} B) "
-                f">= the FFN time it offloads ({point.ffn_ms:.2f} ms)"
+            can_pay, reason = (
+                False,
+                (
+                    f"A2F+F2A {transfer:.2f} ms/step ({messages} messages, {num_bytes:,.0f} B) "
+                    f">= the FFN time it offloads ({point.ffn_ms:.2f} ms)"
+                ),
             )
         else:
-            can_pay, reason = True, (
-                f"FFN is {share:.0%} of the step and A2F+F2A costs {transfer:.2f} ms < {point.ffn_ms:.2f} ms of FFN"
+            can_pay, reason = (
+                True,
+                (f"FFN is {share:.0%} of the step and A2F+F2A costs {transfer:.2f} ms < {point.ffn_ms:.2f} ms of FFN"),
             )
         out.append(
             Verdict(
@@ -305,9 +307,7 @@ def load_profile(path: Path, model: str | None = None) -> Profile:
             return _from_gpu_bench(data, model, str(path))
         return Profile.model_validate(data)
     except ValidationError as e:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}" for err in e.errors()
-        )
+        problems = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}" for err in e.errors())
         raise ValueError(f"{path}: {problems}") from e
     except (KeyError, TypeError) as e:
         raise ValueError(f"{path}: GPU benchmark JSON without the field {e}") from e

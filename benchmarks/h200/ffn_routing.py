@@ -44,7 +44,7 @@ from afd_ray.bench.moe_layer import random_fill
 from afd_ray.bench.runner import _prompts
 from afd_ray.ffn.graphs import FFNGraphs
 from afd_ray.ffn.model import FFNStack, load_ffn_stack
-from afd_ray.ffn.moe import MoE
+from afd_ray.layers.moe import MoE
 from afd_ray.models.shapes import build_shape
 
 SHAPE = "deepseek-v2-lite"
@@ -146,8 +146,16 @@ def main() -> None:
     folder = build_shape(SHAPE, Path("/tmp/afd-routing") / SHAPE)
     cfg = BenchConfig(platform="cuda", prompt_tokens=4096, max_model_len=4352, seed=0)
     result: dict = {"gpu": torch.cuda.get_device_name(0), "shape": SHAPE, "streams": {}}
-    llm = LLM(model=str(folder), dtype="bfloat16", load_format="dummy", enforce_eager=True,
-              max_model_len=4352, gpu_memory_utilization=0.45, max_num_seqs=64, seed=0)  # fmt: skip
+    llm = LLM(
+        model=str(folder),
+        dtype="bfloat16",
+        load_format="dummy",
+        enforce_eager=True,
+        max_model_len=4352,
+        gpu_memory_utilization=0.45,
+        max_num_seqs=64,
+        seed=0,
+    )
     result["vllm_start_s"] = round(time.perf_counter() - t0, 1)
     params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
     tokens: dict[int, list[list[int]]] = {}
@@ -243,8 +251,10 @@ def main() -> None:
             with torch.inference_mode():
                 spread = [
                     _distinct(stack.layers[layer].route(rows).ids)
-                    for step in random_steps for layer, rows in step.items() if isinstance(stack.layers[layer], MoE)
-                ]  # fmt: skip
+                    for step in random_steps
+                    for layer, rows in step.items()
+                    if isinstance(stack.layers[layer], MoE)
+                ]
             entry[str(streams)]["distinct_experts_random_rows_median"] = _median(spread)
         fills[fill] = entry
         del stack
@@ -255,14 +265,18 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "ffn"}, indent=None)[:3000])
-    print(f"{'fill':16} {'T':>3} {'experts vLLM':>12} {'experts FFN':>11} {'rand':>5} {'topk=vLLM':>12} "
-          f"{'ms rec':>7} {'ms rand':>7}")  # fmt: skip
+    print(
+        f"{'fill':16} {'T':>3} {'experts vLLM':>12} {'experts FFN':>11} {'rand':>5} {'topk=vLLM':>12} "
+        f"{'ms rec':>7} {'ms rand':>7}"
+    )
     for fill, entry in fills.items():
         for streams, e in entry.items():
             v = result["streams"][streams]["vllm_distinct_experts_median"]
-            print(f"{fill:16} {streams:>3} {v:>12} {e['distinct_experts_median']:>11} "
-                  f"{e['distinct_experts_random_rows_median']:>5} {e['topk_equal_to_vllm_rows']:>12} "
-                  f"{e['stack_ms_recorded_rows']:>7} {e['stack_ms_random_rows']:>7}")  # fmt: skip
+            print(
+                f"{fill:16} {streams:>3} {v:>12} {e['distinct_experts_median']:>11} "
+                f"{e['distinct_experts_random_rows_median']:>5} {e['topk_equal_to_vllm_rows']:>12} "
+                f"{e['stack_ms_recorded_rows']:>7} {e['stack_ms_random_rows']:>7}"
+            )
 
 
 if __name__ == "__main__":

@@ -25,18 +25,28 @@ import torch
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
-PROMPTS = ["The quick brown fox", "def main():", "Hello, my name is", "import os", "class Node:", "In the beginning",
-           "x " * 40]  # the last one is longer than every captured graph size
+PROMPTS = [
+    "The quick brown fox",
+    "def main():",
+    "Hello, my name is",
+    "import os",
+    "class Node:",
+    "In the beginning",
+    "x " * 40,
+]  # the last one is longer than every captured graph size
 CAPTURED: dict[tuple[str, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
 
 def _install(model: torch.nn.Module, mlp_hooks: bool) -> int:
     for i, layer in enumerate(model.model.layers):
+
         def keep(kind: str, i: int):
             def hook(module, args, out):
                 out = out[0] if isinstance(out, tuple) else out
                 CAPTURED.setdefault((kind, i), []).append((args[0].detach().clone(), out.detach().clone()))
+
             return hook
+
         if mlp_hooks:
             layer.mlp.register_forward_hook(keep("mlp", i))
         shared = getattr(layer.mlp, "shared_experts", None)
@@ -49,8 +59,16 @@ def _plain(checkpoint: Path, eager: bool) -> None:
     from vllm import LLM, SamplingParams
 
     graphs = {} if eager else {"compilation_config": {"cudagraph_mode": "NONE"}}
-    llm = LLM(str(checkpoint), dtype="bfloat16", enforce_eager=eager, max_model_len=512, max_num_seqs=8,
-              gpu_memory_utilization=0.3, kv_cache_memory_bytes=1 << 28, **graphs)
+    llm = LLM(
+        str(checkpoint),
+        dtype="bfloat16",
+        enforce_eager=eager,
+        max_model_len=512,
+        max_num_seqs=8,
+        gpu_memory_utilization=0.3,
+        kv_cache_memory_bytes=1 << 28,
+        **graphs,
+    )
     llm.apply_model(lambda model: _install(model, mlp_hooks=eager))
     CAPTURED.clear()  # drop what warm-up and profiling ran
     llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
@@ -66,15 +84,16 @@ def _report(name: str, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         rows += ours.shape[0]
         equal += int((ours == theirs).all(dim=-1).sum())
         diff = max(diff, float((ours.float() - theirs.float()).abs().max()))
-    print("FFN_VS_VLLM " + json.dumps({"what": name, "rows": rows, "rows_equal": equal, "max_abs_diff": diff}),
-          flush=True)
+    print(
+        "FFN_VS_VLLM " + json.dumps({"what": name, "rows": rows, "rows_equal": equal, "max_abs_diff": diff}), flush=True
+    )
 
 
 def main() -> None:
     from vllm.model_executor.layers.fused_moe.router.grouped_topk_router import grouped_topk
 
     from afd_ray.ffn.model import load_ffn_stack
-    from afd_ray.ffn.moe import MoE
+    from afd_ray.layers.moe import MoE
     from afd_ray.models.tiny import build_tiny
 
     checkpoint = build_tiny("deepseek_v3", Path(tempfile.mkdtemp()) / "deepseek_v3", cuda_mla_heads=True)
@@ -110,9 +129,17 @@ def main() -> None:
                     router = split.layers[i].gate
                     logits = torch.nn.functional.linear(x, router.weight)  # [T, E] bf16
                     mine = router(x)
-                    weights, ids = grouped_topk(x, logits, router.spec.top_k, router.spec.renormalize,
-                                                router.spec.num_groups, router.spec.top_groups, "sigmoid", 1.0,
-                                                router.e_score_correction_bias)
+                    weights, ids = grouped_topk(
+                        x,
+                        logits,
+                        router.spec.top_k,
+                        router.spec.renormalize,
+                        router.spec.num_groups,
+                        router.spec.top_groups,
+                        "sigmoid",
+                        1.0,
+                        router.e_score_correction_bias,
+                    )
                     a, ia = mine.ids.sort(dim=-1)
                     b, ib = ids.long().sort(dim=-1)
                     rows += x.shape[0]
@@ -120,10 +147,14 @@ def main() -> None:
                     ids_equal += int(same.sum())
                     ours_w.append(mine.weights.gather(1, ia)[same])
                     theirs_w.append(weights.gather(1, ib)[same])
-                print("FFN_VS_VLLM " + json.dumps({"what": f"{mode} layer {i} routing", "rows": rows,
-                                                   "ids_equal": ids_equal}), flush=True)
-                _report(f"{mode} layer {i} routing weights (rows with equal ids)",
-                        list(zip(ours_w, theirs_w, strict=True)))
+                print(
+                    "FFN_VS_VLLM "
+                    + json.dumps({"what": f"{mode} layer {i} routing", "rows": rows, "ids_equal": ids_equal}),
+                    flush=True,
+                )
+                _report(
+                    f"{mode} layer {i} routing weights (rows with equal ids)", list(zip(ours_w, theirs_w, strict=True))
+                )
         CAPTURED.clear()
         del split, summed
         torch.cuda.empty_cache()

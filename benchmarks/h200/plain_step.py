@@ -69,8 +69,15 @@ def main() -> None:
     cfg = BenchConfig(platform="cuda", prompt_tokens=4096, max_model_len=4352, seed=0)
     result: dict = {"gpu": torch.cuda.get_device_name(0), "shape": SHAPE, "streams": STREAMS}
     if not args.ffn_only:
-        llm = LLM(model=str(folder), dtype="bfloat16", load_format="dummy", max_model_len=4352,
-                  gpu_memory_utilization=0.45, max_num_seqs=64, seed=0)  # fmt: skip
+        llm = LLM(
+            model=str(folder),
+            dtype="bfloat16",
+            load_format="dummy",
+            max_model_len=4352,
+            gpu_memory_utilization=0.45,
+            max_num_seqs=64,
+            seed=0,
+        )
         result["vllm_start_s"] = round(time.perf_counter() - t0, 1)
         prompts = [{"prompt_token_ids": ids} for ids in _prompts(cfg, folder, STREAMS)]
         llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)  # prefix cache
@@ -111,14 +118,18 @@ def main() -> None:
     args.out.write_text(json.dumps(result, indent=1))
     if "plain" in result:
         plain = result["plain"]
-        print(f"plain: decode {plain['decode_ms_per_step']} ms/step, distinct tokens/step "
-              f"{sorted(set(plain['distinct_tokens_per_step']))}")  # fmt: skip
+        print(
+            f"plain: decode {plain['decode_ms_per_step']} ms/step, distinct tokens/step "
+            f"{sorted(set(plain['distinct_tokens_per_step']))}"
+        )
         tables = [("plain, per decode step", plain["kernels_per_step"])]
     else:
         tables = []
     for tokens, ffn in result["ffn"].items():
-        print(f"FFN stack T={tokens}: {ffn['ms_per_pass']} ms/pass, distinct experts per layer "
-              f"{ffn['distinct_experts']}, top-k equal to vLLM's grouped_topk: {ffn['topk_equal_vllm']}")  # fmt: skip
+        print(
+            f"FFN stack T={tokens}: {ffn['ms_per_pass']} ms/pass, distinct experts per layer "
+            f"{ffn['distinct_experts']}, top-k equal to vLLM's grouped_topk: {ffn['topk_equal_vllm']}"
+        )
         tables.append((f"FFN stack T={tokens}, per pass", ffn["kernels_per_pass"]))
     for name, table in tables:
         print(f"--- {name}: us, calls")
@@ -139,8 +150,17 @@ def _ffn_part(stack, tokens: int) -> dict:
     spec = block.gate.spec
     logits = torch.nn.functional.linear(rows[0], block.gate.weight)
     route = getattr(grouped_topk, "_torchdynamo_orig_callable", grouped_topk)
-    _, vllm_ids = route(rows[0], logits, spec.top_k, spec.renormalize, spec.num_groups, spec.top_groups,
-                        spec.scoring, spec.scaling_factor, None)  # fmt: skip
+    _, vllm_ids = route(
+        rows[0],
+        logits,
+        spec.top_k,
+        spec.renormalize,
+        spec.num_groups,
+        spec.top_groups,
+        spec.scoring,
+        spec.scaling_factor,
+        None,
+    )
     ours = block.gate(rows[0]).ids
     equal = bool(torch.equal(ours.sort(-1).values, vllm_ids.long().sort(-1).values))
     distinct = int(ours.unique().numel())
@@ -162,8 +182,11 @@ def _ffn_part(stack, tokens: int) -> dict:
         one_pass(i)
     end_event.record()
     torch.cuda.synchronize()
-    out = {"ms_per_pass": round(start_event.elapsed_time(end_event) / passes, 3), "distinct_experts": distinct,
-           "topk_equal_vllm": equal}  # fmt: skip
+    out = {
+        "ms_per_pass": round(start_event.elapsed_time(end_event) / passes, 3),
+        "distinct_experts": distinct,
+        "topk_equal_vllm": equal,
+    }
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for i in range(passes):
             one_pass(i)

@@ -45,7 +45,9 @@ def test_afd_topologies_run_the_default_graph_mode_unless_piecewise_is_named(tmp
     default, full, piecewise = cfg.topologies
     assert [t.label for t in cfg.topologies] == ["1A1F", "1A1F", "1A1F-piecewise"]
     assert (default.cudagraph_mode, full.cudagraph_mode, piecewise.cudagraph_mode) == (
-        "full_decode", "full_decode", "piecewise"
+        "full_decode",
+        "full_decode",
+        "piecewise",
     )
     checkpoint = build_shape("deepseek-v2-lite", tmp_path / "shape")
     assert _app_config(cfg, "deepseek-v2-lite", checkpoint, default).attention.cudagraph_mode == "full_decode"
@@ -55,13 +57,29 @@ def test_afd_topologies_run_the_default_graph_mode_unless_piecewise_is_named(tmp
 @pytest.mark.parametrize("label", ["1A1F-dbo", "3A2F-dbo", "1A2F-dbo-bare"])
 def test_dbo_with_fewer_than_two_attention_ranks_per_ffn_rank_is_rejected(label: str) -> None:
     """`1A1F-dbo` was accepted and ran exactly as `1A1F`: one peer is one ubatch."""
-    with pytest.raises(ValidationError, match=rf"topology '{label}': -dbo needs at least 2 attention ranks per FFN rank"):
+    with pytest.raises(
+        ValidationError, match=rf"topology '{label}': -dbo needs at least 2 attention ranks per FFN rank"
+    ):
         BenchConfig(topologies=(label,))
     assert Topology.model_validate("4a2f-dbo").ubatches == 2
 
 
-@pytest.mark.parametrize("label", ["1A0F", "AF", "2x2", "", "plain-bare", "1A1F-off", "1A1F-bare-dbo", "plain-dbo",
-                                   "1A1F-full-bare", "plain-full", "1A1F-full-piecewise"])
+@pytest.mark.parametrize(
+    "label",
+    [
+        "1A0F",
+        "AF",
+        "2x2",
+        "",
+        "plain-bare",
+        "1A1F-off",
+        "1A1F-bare-dbo",
+        "plain-dbo",
+        "1A1F-full-bare",
+        "plain-full",
+        "1A1F-full-piecewise",
+    ],
+)
 def test_bad_topology_is_rejected_with_its_label(label: str) -> None:
     with pytest.raises(ValidationError, match="topolog"):
         BenchConfig(topologies=(label,))
@@ -122,9 +140,13 @@ def test_a_transport_the_platform_cannot_use_exits_2_naming_the_flag(
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     assert exit_info.value.code == 2
-    assert capsys.readouterr().err.splitlines()[-1].endswith(
-        f"--transport: {transport!r} cannot carry {'gloo' if transport == 'cuda_ipc' else 'nccl'} tensors; "
-        f"use auto or one of {allowed}"
+    assert (
+        capsys.readouterr()
+        .err.splitlines()[-1]
+        .endswith(
+            f"--transport: {transport!r} cannot carry {'gloo' if transport == 'cuda_ipc' else 'nccl'} tensors; "
+            f"use auto or one of {allowed}"
+        )
     )
     assert BenchConfig(platform="cuda", transport="cuda_ipc").transport == "cuda_ipc"
 
@@ -186,12 +208,37 @@ def test_latency_summary_in_milliseconds() -> None:
 def test_several_batches_and_cuda_settings_parse_from_the_command_line(monkeypatch: pytest.MonkeyPatch) -> None:
     from afd_ray.bench.cli import build_parser
 
-    args = vars(build_parser().parse_args([
-        "--platform", "cuda", "--dtype", "bfloat16", "--families", "deepseek-v2-lite", "--concurrency", "16", "64",
-        "--prompt-tokens", "4096", "--max-model-len", "4352", "--gpu-fraction", "0.5", "--no-enforce-eager",
-    ]))
-    cfg = BenchConfig.model_validate({k: v for k, v in args.items() if k not in ("out", "ray_address", "serve_url", "smoke")})
-    assert (cfg.platform, cfg.dtype, cfg.families, cfg.concurrency) == ("cuda", "bfloat16", ("deepseek-v2-lite",), (16, 64))
+    args = vars(
+        build_parser().parse_args(
+            [
+                "--platform",
+                "cuda",
+                "--dtype",
+                "bfloat16",
+                "--families",
+                "deepseek-v2-lite",
+                "--concurrency",
+                "16",
+                "64",
+                "--prompt-tokens",
+                "4096",
+                "--max-model-len",
+                "4352",
+                "--gpu-fraction",
+                "0.5",
+                "--no-enforce-eager",
+            ]
+        )
+    )
+    cfg = BenchConfig.model_validate(
+        {k: v for k, v in args.items() if k not in ("out", "ray_address", "serve_url", "smoke")}
+    )
+    assert (cfg.platform, cfg.dtype, cfg.families, cfg.concurrency) == (
+        "cuda",
+        "bfloat16",
+        ("deepseek-v2-lite",),
+        (16, 64),
+    )
     assert (cfg.prompt_tokens, cfg.gpu_fraction, cfg.enforce_eager) == (4096, 0.5, False)
     with pytest.raises(ValidationError, match="concurrency"):
         BenchConfig(concurrency=())

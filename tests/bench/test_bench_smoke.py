@@ -16,12 +16,19 @@ from afd_ray.bench import BenchResult
 from afd_ray.bench.cli import main
 
 
-def test_smoke_run_writes_a_complete_result(
-    serve_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_smoke_run_writes_a_complete_result(serve_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "result.json"
-    argv = ["--smoke", "--serve-url", serve_url, "--out", str(out), "--checkpoints", str(tmp_path / "tiny"),
-            "--stream-interval", "3"]
+    argv = [
+        "--smoke",
+        "--serve-url",
+        serve_url,
+        "--out",
+        str(out),
+        "--checkpoints",
+        str(tmp_path / "tiny"),
+        "--stream-interval",
+        "3",
+    ]
     assert main(argv) == 0
 
     result = BenchResult.model_validate_json(out.read_text())

@@ -10,7 +10,7 @@ import pytest
 from afd_ray.bench.cli import format_table
 from afd_ray.bench.runner import _SETTLE_POLL_S, _ffn_rank
 from afd_ray.bench.schema import BenchResult
-from afd_ray.connector.channel import FFNAddress
+from afd_ray.connector.header import FFNAddress
 from afd_ray.control.membership import FFNMember
 from afd_ray.observability.timeline import IDLE_GAP_S, StepSplit
 
@@ -20,9 +20,13 @@ ADDRESS = FFNAddress("127.0.0.1", 1, 2)
 
 def _member(steps: int, timed: int, attention: float, wire: float, ffn: float, idle: float) -> FFNMember:
     return FFNMember(
-        rank=0, address=ADDRESS, steps=steps, tokens=4 * steps, busy_s=0.1 * steps,
+        rank=0,
+        address=ADDRESS,
+        steps=steps,
+        tokens=4 * steps,
+        busy_s=0.1 * steps,
         split=StepSplit(timed, attention, wire, ffn, idle),
-    )  # fmt: skip
+    )
 
 
 def test_the_split_of_the_load_is_the_delta_of_the_snapshots_per_timed_step() -> None:

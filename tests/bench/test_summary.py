@@ -19,13 +19,21 @@ RUN = "h200-2026-12-01"
 
 def test_summary_of_the_2026_12_01_run(tmp_path: Path) -> None:
     out = tmp_path / "product.json"
-    main([
-        "--serve-logs", str(RESULTS / f"{RUN}-serve-one-gpu.log"), str(RESULTS / f"{RUN}-product.log"),
-        "--bench", str(RESULTS / f"{RUN}-product-dsv2.json"),
-        "--roundtrip", str(RESULTS / f"{RUN}-cuda-ipc-pair-mps.json"),
-        "--moe-layer", str(RESULTS / f"{RUN}-moe-layer.json"),
-        "--out", str(out),
-    ])  # fmt: skip
+    main(
+        [
+            "--serve-logs",
+            str(RESULTS / f"{RUN}-serve-one-gpu.log"),
+            str(RESULTS / f"{RUN}-product.log"),
+            "--bench",
+            str(RESULTS / f"{RUN}-product-dsv2.json"),
+            "--roundtrip",
+            str(RESULTS / f"{RUN}-cuda-ipc-pair-mps.json"),
+            "--moe-layer",
+            str(RESULTS / f"{RUN}-moe-layer.json"),
+            "--out",
+            str(out),
+        ]
+    )
     got = json.loads(out.read_text())
     stated = json.loads((RESULTS / f"{RUN}-product.json").read_text())
     for key in ("gpu", "vllm_version", "roundtrip_us_graph", "moe_layer_over_floor", "afd_over_plain_tok_s"):
@@ -33,7 +41,10 @@ def test_summary_of_the_2026_12_01_run(tmp_path: Path) -> None:
     assert got["equal_tokens"] == {"deepseek_v3": True, "llama": False, "qwen3_moe": True}
     assert got["equal_tokens_by_mode"]["llama"]["eager"]["equal"] is True
     assert got["equal_tokens_by_mode"]["llama"]["graphs"]["equal_positions"] == 0
-    assert got["prompt_logprob_max_abs_diff"]["deepseek_v3"]["eager"] == stated["prompt_logprob_max_abs_diff"]["deepseek_v3"]
+    assert (
+        got["prompt_logprob_max_abs_diff"]["deepseek_v3"]["eager"]
+        == stated["prompt_logprob_max_abs_diff"]["deepseek_v3"]
+    )
     assert got["graphs"] is False
     for batch, sides in stated["product_deepseek_v2_lite"].items():
         assert got["product"][batch]["1A1F"]["output_tok_s"] == sides["1A1F"]["output_tok_s"]
@@ -71,13 +82,28 @@ def test_the_step_split_of_each_afd_batch_is_reported(tmp_path: Path) -> None:
         if run.label == "1A1F":
             c = run.concurrency
             split = StepSplitResult(
-                timed_steps=c, step_ms=10.0, attention_ms=4.0, wire_ms=0.5, ffn_ms=c / 100, idle_ms=5.5 - c / 100,
-                attention_fraction=0.4, wire_fraction=0.05, ffn_fraction=c / 1000, idle_fraction=0.55 - c / 1000,
-            )  # fmt: skip
+                timed_steps=c,
+                step_ms=10.0,
+                attention_ms=4.0,
+                wire_ms=0.5,
+                ffn_ms=c / 100,
+                idle_ms=5.5 - c / 100,
+                attention_fraction=0.4,
+                wire_fraction=0.05,
+                ffn_fraction=c / 1000,
+                idle_fraction=0.55 - c / 1000,
+            )
             rank = FFNRankResult(
-                rank=0, steps=c, tokens=c * c, mean_tokens_per_step=c, a2f_bytes_per_step=1.0, f2a_bytes_per_step=1.0,
-                formula_bytes_per_step=1.0, busy_fraction=0.5, split=split,
-            )  # fmt: skip
+                rank=0,
+                steps=c,
+                tokens=c * c,
+                mean_tokens_per_step=c,
+                a2f_bytes_per_step=1.0,
+                f2a_bytes_per_step=1.0,
+                formula_bytes_per_step=1.0,
+                busy_fraction=0.5,
+                split=split,
+            )
             run = run.model_copy(update={"ffn": [rank]})
         runs.append(run)
     bench = tmp_path / "bench.json"
@@ -86,9 +112,17 @@ def test_the_step_split_of_each_afd_batch_is_reported(tmp_path: Path) -> None:
     got = summarize([], [bench], None, None)
     assert sorted(got["step_split"], key=int) == ["16", "64", "256"]  # the AFD batches only
     assert got["step_split"]["64"] == {
-        "timed_steps": 64, "step_ms": 10.0, "attention_ms": 4.0, "wire_ms": 0.5, "ffn_ms": 0.64, "idle_ms": 4.86,
-        "attention_fraction": 0.4, "wire_fraction": 0.05, "ffn_fraction": 0.064, "idle_fraction": 0.486,
-    }  # fmt: skip
+        "timed_steps": 64,
+        "step_ms": 10.0,
+        "attention_ms": 4.0,
+        "wire_ms": 0.5,
+        "ffn_ms": 0.64,
+        "idle_ms": 4.86,
+        "attention_fraction": 0.4,
+        "wire_fraction": 0.05,
+        "ffn_fraction": 0.064,
+        "idle_fraction": 0.486,
+    }
 
 
 def test_other_shapes_are_reported_beside_the_main_one() -> None:
@@ -96,9 +130,12 @@ def test_other_shapes_are_reported_beside_the_main_one() -> None:
     own best-vs-best ratio (2434.7 / 2420.7 tok/s at batch 64); the main keys stay
     DeepSeek-V2-Lite's (5649.9 / 5978.4)."""
     got = summarize(
-        [], [RESULTS / "h200-2026-12-03d-product-dsv2.json"], None, None,
+        [],
+        [RESULTS / "h200-2026-12-03d-product-dsv2.json"],
+        None,
+        None,
         [RESULTS / "h200-2026-12-03d-product-qwen3.json"],
-    )  # fmt: skip
+    )
     assert got["families"] == ["deepseek-v2-lite"] and got["afd_over_plain_tok_s"] == 0.945
     qwen3 = got["other_shapes"]["qwen3-30b-a3b"]
     assert qwen3["afd_over_plain_tok_s"] == round(2434.7 / 2420.7, 3)

@@ -30,8 +30,10 @@ def test_ranges_and_lists() -> None:
         (["--attention", "0-2", "--ffn", "1"], "--attention"),
         (["--attention", "3-1", "--ffn", "1"], "--attention"),
         # listing the range ended in a MemoryError
-        (["--attention", "1-100000000", "--ffn", "1"], "--attention: '1-100000000' must name at least one rank count, "
-         "each from 1 to 256"),
+        (
+            ["--attention", "1-100000000", "--ffn", "1"],
+            "--attention: '1-100000000' must name at least one rank count, each from 1 to 256",
+        ),
         (["--attention", "1", "--ffn", "2,100000"], "--ffn: '2,100000'"),
         (["--topologies", "1A300F"], "--topologies"),
         (["--attention", "1", "--ffn", "x"], "--ffn"),
@@ -58,8 +60,16 @@ def test_goodput_counts_requests_meeting_both_slos_and_cost_scales_with_devices(
     # request 0 meets both; 1 misses TTFT; 2 misses TPOT; 3 is exactly on both targets
     ttft = [0.5, 3.0, 0.5, 2.0]
     tpot = [0.05, 0.05, 0.2, 0.1]
-    result = slo_result(ttft, tpot, wall_s=10.0, output_tokens=1000, devices=3,
-                        slo_ttft_ms=2000, slo_tpot_ms=100, price_per_device_hour=3.6)
+    result = slo_result(
+        ttft,
+        tpot,
+        wall_s=10.0,
+        output_tokens=1000,
+        devices=3,
+        slo_ttft_ms=2000,
+        slo_tpot_ms=100,
+        price_per_device_hour=3.6,
+    )
     assert result.requests_met == 2 and result.met_fraction == 0.5
     assert result.goodput_rps == pytest.approx(0.2)
     # 3 devices x 3.6/h x 10 s = 0.03 for 1000 tokens -> 30 per 1M
@@ -69,7 +79,7 @@ def test_goodput_counts_requests_meeting_both_slos_and_cost_scales_with_devices(
 
 
 def test_progress_lines_parse_out_of_a_log() -> None:
-    log = f"noise\n{PREFIX}{{\"event\": \"start\", \"total\": 2}}\nmore noise\n{PREFIX}{{\"event\": \"done\"}}\n"
+    log = f'noise\n{PREFIX}{{"event": "start", "total": 2}}\nmore noise\n{PREFIX}{{"event": "done"}}\n'
     assert [e["event"] for e in parse_progress(log)] == ["start", "done"]
 
 

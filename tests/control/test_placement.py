@@ -10,7 +10,7 @@ import random
 import pytest
 
 from afd_ray.config import AttentionPoolConfig, FFNPoolConfig
-from afd_ray.connector.channel import FFNAddress
+from afd_ray.connector.header import FFNAddress
 from afd_ray.control.membership import AttentionMember, FFNMember, LoopState, MemberState
 from afd_ray.control.placement import (
     check_sizes,
@@ -91,7 +91,9 @@ def test_rebalance_always_balances_ready_ranks() -> None:
     for _ in range(300):
         old = rng.randint(1, 4)
         new = tuple(sorted(rng.sample(range(6), rng.randint(1, 4))))
-        attention = _members(*[(rng.randrange(old), rng.choice([READY, READY, GONE])) for _ in range(rng.randint(0, 9))])
+        attention = _members(
+            *[(rng.randrange(old), rng.choice([READY, READY, GONE])) for _ in range(rng.randint(0, 9))]
+        )
         after = _apply(attention, rebalance_moves(attention, new))
         load = peer_load(after, new)
         assert max(load.values()) - min(load.values()) <= 1, (attention, new)
@@ -125,8 +127,12 @@ def test_a_reformed_layout_under_a_smaller_target_keeps_every_live_rank_it_can()
 
 def test_joining_and_live_count() -> None:
     address = FFNAddress("h", 1, 2)
-    ffn = {0: FFNMember(rank=0, address=address, state=READY), 1: FFNMember(rank=1, address=address),
-           2: FFNMember(rank=2, address=address, state=GONE), 3: FFNMember(rank=3, address=address)}  # fmt: skip
+    ffn = {
+        0: FFNMember(rank=0, address=address, state=READY),
+        1: FFNMember(rank=1, address=address),
+        2: FFNMember(rank=2, address=address, state=GONE),
+        3: FFNMember(rank=3, address=address),
+    }
     assert joining(ffn, (0,)) == (1, 3)
     assert joining(ffn, (0, 3)) == (1,)
     assert live_count(ffn) == 3
@@ -232,8 +238,10 @@ def test_a_restarted_coordinator_keeps_a_fence() -> None:
     old registry it rejoined as a live rank and `/afd/status` showed two EP ranks 1."""
     address = FFNAddress("h", 1, 2)
     fenced = FFNMember(rank=1, address=address, state=READY, epoch=3, ep_rank=1)
-    layout = [FFNMember(rank=0, address=address, state=READY, epoch=4, ep_rank=0),
-              FFNMember(rank=2, address=address, state=READY, epoch=4, ep_rank=1)]  # fmt: skip
+    layout = [
+        FFNMember(rank=0, address=address, state=READY, epoch=4, ep_rank=0),
+        FFNMember(rank=2, address=address, state=READY, epoch=4, ep_rank=1),
+    ]
     for order in ([*layout, fenced], [fenced, *layout], [layout[0], fenced, layout[1]]):
         registry = Registry("gloo", 5.0, 2)
         for member in order:

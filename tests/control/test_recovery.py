@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 
 from afd_ray.config import AFDConfig
-from afd_ray.connector.channel import FFNAddress
+from afd_ray.connector.header import FFNAddress
 from afd_ray.control.membership import LoopState, MemberState
 from afd_ray.control.recovery import Recovery
 from afd_ray.control.registry import Registry
@@ -34,8 +34,9 @@ def _recovery(cfg: AFDConfig, clock: _Clock) -> tuple[Registry, Recovery]:
     registry = Registry("gloo", cfg.connector.timeout_s, cfg.ffn.num_ranks)
     registry.add_ffn(FFNAddress("127.0.0.1", 1, 2), replica="ffn#0")
     resizer = Resizer(registry, "afd", cfg.attention, cfg.ffn, cfg.autoscale)
-    recovery = Recovery(registry, resizer, "afd", cfg.ffn.heartbeat_timeout_s, cfg.autoscale.resize_timeout_s,
-                        clock=clock)  # fmt: skip
+    recovery = Recovery(
+        registry, resizer, "afd", cfg.ffn.heartbeat_timeout_s, cfg.autoscale.resize_timeout_s, clock=clock
+    )
     return registry, recovery
 
 

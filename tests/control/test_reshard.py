@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from afd_ray.ffn.model import load_ffn_stack
-from afd_ray.ffn.moe import MoE
+from afd_ray.layers.moe import MoE
 from afd_ray.models.tiny import build_tiny
 
 CPU = torch.device("cpu")

@@ -12,7 +12,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from afd_ray.config import AFDConfig
-from afd_ray.connector.channel import FFNAddress
+from afd_ray.connector.header import FFNAddress
 from afd_ray.control.membership import AttentionMember, FFNMember, LoopState, MemberState
 from afd_ray.control.recovery import Recovery
 from afd_ray.control.registry import Registry
@@ -38,13 +38,21 @@ async def _tasks(*coroutines: Coroutine[Any, Any, None]) -> AsyncIterator[None]:
 
 def _ffn(rank: int, epoch: int, layout: tuple[int, ...], loop: LoopState = SERVING) -> FFNMember:
     """FFN rank `rank` as it rejoins: serving the layout `layout` of `epoch`."""
-    return FFNMember(rank=rank, address=ADDRESS, replica=f"ffn#{rank}", state=READY, epoch=epoch,
-                     ep_rank=layout.index(rank), loop=loop)  # fmt: skip
+    return FFNMember(
+        rank=rank,
+        address=ADDRESS,
+        replica=f"ffn#{rank}",
+        state=READY,
+        epoch=epoch,
+        ep_rank=layout.index(rank),
+        loop=loop,
+    )
 
 
 def _attention(rank: int, ffn_peer: int, epoch: int) -> AttentionMember:
-    return AttentionMember(rank=rank, ffn_peer=ffn_peer, state=READY, epoch=epoch, replica=f"a#{rank}",
-                           peered_epoch=epoch)  # fmt: skip
+    return AttentionMember(
+        rank=rank, ffn_peer=ffn_peer, state=READY, epoch=epoch, replica=f"a#{rank}", peered_epoch=epoch
+    )
 
 
 def test_an_attention_rank_naming_an_unknown_ffn_peer_gets_no_assignment() -> None:

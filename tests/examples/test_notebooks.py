@@ -134,7 +134,11 @@ def test_notebooks_run_top_to_bottom(sweep_json: Path) -> None:
 
 def _cli(*args: str) -> str:
     done = subprocess.run(
-        [sys.executable, "-c", "from afd_ray.cli import main; raise SystemExit(main())", *args], capture_output=True, text=True, timeout=600, env=os.environ
+        [sys.executable, "-c", "from afd_ray.cli import main; raise SystemExit(main())", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=os.environ,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
@@ -142,16 +146,43 @@ def _cli(*args: str) -> str:
 
 def test_profile_and_plan_agree_with_the_measured_sweep(sweep_json: Path, tiny_moe: Path, tmp_path: Path) -> None:
     profile_path = tmp_path / "profile.json"
-    print(_cli("profile", "--model", str(tiny_moe), "--batches", "1", "2", "4", "--prompt-tokens", "16", "64",
-               "--out", str(profile_path)))
+    print(
+        _cli(
+            "profile",
+            "--model",
+            str(tiny_moe),
+            "--batches",
+            "1",
+            "2",
+            "4",
+            "--prompt-tokens",
+            "16",
+            "64",
+            "--out",
+            str(profile_path),
+        )
+    )
     result = BenchResult.model_validate_json(sweep_json.read_text())
     # The cores the ranks got: all usable ones, or fewer when the machine was busier than
     # its cores (the load average each run recorded before its load).
     usable = len(os.sched_getaffinity(0))
     load = statistics.fmean(run.load_average_1m[0] for run in result.runs)
     host_cores = usable * min(1.0, usable / load) if load > 0 else usable
-    print(_cli("plan", "--profile", str(profile_path), "--slo-tpot-ms", "200", "--devices", "4",
-               "--host-cores", f"{host_cores:.3f}", "--top", "5"))
+    print(
+        _cli(
+            "plan",
+            "--profile",
+            str(profile_path),
+            "--slo-tpot-ms",
+            "200",
+            "--devices",
+            "4",
+            "--host-cores",
+            f"{host_cores:.3f}",
+            "--top",
+            "5",
+        )
+    )
     profile = load_profile(profile_path)
     assert {p.batch for p in profile.points} == {1, 2, 4} and len(profile.verdicts) == 6
     assert all(p.attention_ms > 0 and p.ffn_ms > 0 and p.step_ms > p.attention_ms + p.ffn_ms for p in profile.points)
@@ -169,7 +200,10 @@ def test_profile_and_plan_agree_with_the_measured_sweep(sweep_json: Path, tiny_m
     predicted = {
         run.label: model.estimate(
             Layout(run.topology.attention, run.topology.ffn, CONCURRENCY // run.topology.attention),
-            context, 1e9, MAX_TOKENS, 1.0,
+            context,
+            1e9,
+            MAX_TOKENS,
+            1.0,
         ).tokens_per_s
         for run in result.runs
     }
@@ -177,8 +211,10 @@ def test_profile_and_plan_agree_with_the_measured_sweep(sweep_json: Path, tiny_m
     print(f"{'layout':<8}{'load':>6}{'wall tok/s':>12}{'decode tok/s':>14}{'predicted':>11}{'error':>8}")
     for run in result.runs:
         label = run.label
-        print(f"{label:<8}{run.load_average_1m[0]:>6.1f}{measured[label]:>12.1f}{decode[label]:>14.1f}"
-              f"{predicted[label]:>11.1f}{predicted[label] / measured[label] - 1:>+8.0%}")
+        print(
+            f"{label:<8}{run.load_average_1m[0]:>6.1f}{measured[label]:>12.1f}{decode[label]:>14.1f}"
+            f"{predicted[label]:>11.1f}{predicted[label] / measured[label] - 1:>+8.0%}"
+        )
     best_measured = max(measured, key=measured.get)
     best_predicted = max(predicted, key=predicted.get)
     regret = 1 - measured[best_predicted] / measured[best_measured]

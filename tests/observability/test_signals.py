@@ -12,12 +12,8 @@ from afd_ray.observability.stats import FFNStats
 
 def test_attention_percentiles_pool_every_rank_and_gauges_use_latest() -> None:
     signals = SignalAggregator(window_s=10)
-    signals.report_attention(
-        0, AttentionReport(ttft_s=[0.1, 0.2], tpot_s=[0.05], generation_tokens=30), now=100
-    )
-    signals.report_attention(
-        1, AttentionReport(ttft_s=[0.3, 4.0], generation_tokens=10, running_requests=3), now=101
-    )
+    signals.report_attention(0, AttentionReport(ttft_s=[0.1, 0.2], tpot_s=[0.05], generation_tokens=30), now=100)
+    signals.report_attention(1, AttentionReport(ttft_s=[0.3, 4.0], generation_tokens=10, running_requests=3), now=101)
     signals.report_attention(
         0, AttentionReport(tpot_s=[0.07], kv_cache_usage=0.5, waiting_requests=2, running_requests=4), now=102
     )
@@ -39,9 +35,7 @@ def test_ffn_busy_and_tokens_per_step_from_counter_deltas() -> None:
     for t in range(21):  # rank 0 busy 60% of the time, 8 rows per step, 5 steps/s
         signals.report_ffn(0, FFNStats(steps=5 * t, tokens=40 * t, busy_s=0.6 * t), now=float(t))
     for t in range(10, 21):  # rank 1 joined at 10 s: busy 20%, 2 rows per step
-        signals.report_ffn(
-            1, FFNStats(steps=5 * (t - 10), tokens=10 * (t - 10), busy_s=0.2 * (t - 10)), now=float(t)
-        )
+        signals.report_ffn(1, FFNStats(steps=5 * (t - 10), tokens=10 * (t - 10), busy_s=0.2 * (t - 10)), now=float(t))
     snapshot = signals.snapshot(20.0, attention_ranks=[], ffn_ranks=[0, 1])
     assert snapshot.ffn_ranks == 2
     assert snapshot.ffn_busy_fraction == pytest.approx((0.6 + 0.2) / 2)

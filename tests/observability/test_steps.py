@@ -9,8 +9,9 @@ from afd_ray.observability.steps import AttentionStep, FFNStep, PeerStep, StepLo
 
 
 def _attention(step_id: int, start_s: float, exchange_s: float, requests: tuple[str, ...]) -> AttentionStep:
-    return AttentionStep(rank=1, epoch=3, step_id=step_id, start_s=start_s, num_tokens=2, exchange_s=exchange_s,
-                         requests=requests)  # fmt: skip
+    return AttentionStep(
+        rank=1, epoch=3, step_id=step_id, start_s=start_s, num_tokens=2, exchange_s=exchange_s, requests=requests
+    )
 
 
 def test_ring_keeps_the_last_records_and_hands_out_new_ones_once() -> None:
@@ -31,13 +32,29 @@ def test_breakdown_joins_by_rank_step_and_epoch() -> None:
         _attention(9, 100.090, 0.0, ("cmpl-b-0-5678abcd",)),
     ]
     ffn = [
-        FFNStep(epoch=0, start_s=0.0, peers=(PeerStep(rank=1, epoch=3, step_id=7, num_tokens=2, queue_s=0.004),
-                                             PeerStep(rank=2, epoch=5, step_id=7, num_tokens=1, queue_s=0.0)),
-                compute_s=0.012, ep_s=0.003, f2a_s=0.001, total_s=0.02),
+        FFNStep(
+            epoch=0,
+            start_s=0.0,
+            peers=(
+                PeerStep(rank=1, epoch=3, step_id=7, num_tokens=2, queue_s=0.004),
+                PeerStep(rank=2, epoch=5, step_id=7, num_tokens=1, queue_s=0.0),
+            ),
+            compute_s=0.012,
+            ep_s=0.003,
+            f2a_s=0.001,
+            total_s=0.02,
+        ),
         # the same step id of another epoch (an older pairing) must not be joined
-        FFNStep(epoch=0, start_s=0.0, peers=(PeerStep(rank=1, epoch=2, step_id=8, num_tokens=2, queue_s=1.0),),
-                compute_s=1.0, ep_s=1.0, f2a_s=1.0, total_s=3.0),
-    ]  # fmt: skip
+        FFNStep(
+            epoch=0,
+            start_s=0.0,
+            peers=(PeerStep(rank=1, epoch=2, step_id=8, num_tokens=2, queue_s=1.0),),
+            compute_s=1.0,
+            ep_s=1.0,
+            f2a_s=1.0,
+            total_s=3.0,
+        ),
+    ]
     assert breakdown("cmpl-a", attention, ffn) == []  # its successor step 8 did not serve it
     attention[1] = _attention(8, 100.050, 0.020, ("cmpl-a-0-1234abcd", "cmpl-b-0-5678abcd"))
     (first,) = breakdown("cmpl-a", attention, ffn)

@@ -26,8 +26,17 @@ def _profile(moe: bool = True) -> Profile:
         StepPoint(batch=b, context=100, step_ms=3 + 1.5 * b, attention_ms=1 + b, ffn_ms=2 + 0.5 * b) for b in (1, 2, 4)
     ]
     link = Link(latency_us=0, bandwidth_gbps=1e9, source="test")
-    return Profile(model="m", device="d", source="s", num_layers=2, hidden_size=8, bytes_per_elem=4, moe=moe,
-                   points=points, link=link)
+    return Profile(
+        model="m",
+        device="d",
+        source="s",
+        num_layers=2,
+        hidden_size=8,
+        bytes_per_elem=4,
+        moe=moe,
+        points=points,
+        link=link,
+    )
 
 
 def test_the_model_reproduces_its_formulas() -> None:
@@ -52,8 +61,15 @@ def test_the_model_reproduces_its_formulas() -> None:
 
 
 def test_ranking_puts_the_cheapest_slo_meeting_layout_first() -> None:
-    ranked = rank_layouts(PerformanceModel(_profile()), 4, slo_tpot_ms=10, context=100, output_tokens=8,
-                          price_per_device_hour=1.0, batches=(1, 2, 4))
+    ranked = rank_layouts(
+        PerformanceModel(_profile()),
+        4,
+        slo_tpot_ms=10,
+        context=100,
+        output_tokens=8,
+        price_per_device_hour=1.0,
+        batches=(1, 2, 4),
+    )
     meeting = [e for e in ranked if e.meets_slo]
     assert meeting and ranked[: len(meeting)] == meeting
     costs = [e.cost_per_1m_tokens for e in meeting]
@@ -114,12 +130,18 @@ def test_bad_profile_files_name_the_field(tmp_path: Path) -> None:
         (["--slo-tpot-ms", "50", "--devices", "4", "--host-cores", "two"], 2, "--host-cores"),
         # --devices 100000 enumerated for hours; --context 1e12 printed TPOTs of 10^7 ms
         (["--slo-tpot-ms", "50", "--devices", "257"], 2, "argument --devices: must be <= 256, got 257"),
-        (["--slo-tpot-ms", "50", "--devices", "4", "--context", "1e12"], 2,
-         "argument --context: must be <= 16777216, got 1e12"),
+        (
+            ["--slo-tpot-ms", "50", "--devices", "4", "--context", "1e12"],
+            2,
+            "argument --context: must be <= 16777216, got 1e12",
+        ),
         (["--slo-tpot-ms", "50", "--devices", "4", "--context", "inf"], 2, "--context"),
         # --batches 1000000000 printed TPOTs of 7.9e7 ms in a table whose columns ran together
-        (["--slo-tpot-ms", "50", "--devices", "4", "--batches", "8", "1000000000"], 2,
-         "argument --batches: must be <= 8192, got 1000000000"),
+        (
+            ["--slo-tpot-ms", "50", "--devices", "4", "--batches", "8", "1000000000"],
+            2,
+            "argument --batches: must be <= 8192, got 1000000000",
+        ),
     ],
 )
 def test_plan_cli_bad_inputs(argv: list[str], code: int, field: str, capsys: pytest.CaptureFixture[str]) -> None:
