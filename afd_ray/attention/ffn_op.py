@@ -25,22 +25,31 @@ replay is announced by `announce_replay` from vLLM's runner
 `cuda_ipc` copies and signal put/wait, at the addresses seen at capture (the peer's
 slots, and `out` from the graph's pool).
 
-The ops reach this process's `FFNClient` through one hook: the worker binds it with
-`use_ffn_client` (`afd_ray.attention.worker`, which opens, moves and closes it); tests
-that call the ops directly bind one of their own.
+The ops reach this process's `FFNClient` through one binding: the model's layers call
+`attach_ffn_peer` while vLLM builds them, which opens the client on the peer of the
+engine's `FFNPeerConfig` (vLLM's `additional_config`); the worker extension
+(`afd_ray.attention.worker`) moves and closes it; tests that call the ops directly bind
+one of their own with `use_ffn_client`.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from afd_ray.attention.ffn_client import FFNClient, capturing
+from afd_ray.attention.ffn_client import FFNClient, FFNPeerConfig, capturing
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 __all__ = [
     "SPLITTING_OPS",
     "announce_replay",
+    "attach_ffn_peer",
     "begin_ffn_step",
     "bound_ffn_client",
+    "close_ffn_client",
     "ffn_client",
     "remote_ffn",
     "remote_moe",
@@ -160,3 +169,37 @@ def remote_moe(
     out = _out(hidden, parts)
     torch.ops.afd_ray.remote_moe_out(hidden, topk_ids, topk_weights, out, layer)
     return out
+
+
+def attach_ffn_peer(vllm_config: VllmConfig) -> None:
+    """Open this process's FFN client (JOIN) on the FFN peer of
+    `vllm_config.additional_config`, unless it is open there already; a client left
+    bound by an earlier engine in this process is closed first (LEAVE). Nothing when
+    the config is no `FFNPeerConfig` (a test binds its own client).
+
+    Called while vLLM builds the AFD model, once per decoder layer (idempotent).
+
+    Raises:
+        RuntimeError / DistStoreError: the FFN peer did not admit it within the timeout.
+    """
+    config = vllm_config.additional_config
+    if not isinstance(config, FFNPeerConfig):
+        return
+    held = bound_ffn_client()
+    if held is not None and held.assignment == config.assignment:
+        return
+    close_ffn_client()
+    use_ffn_client(FFNClient(config.assignment))
+
+
+def close_ffn_client() -> None:
+    """Close this process's client, if one is bound (LEAVE), and unbind it.
+
+    Also for processes that run several AFD engines one after another in-process
+    (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, as tests do): each engine needs the channel
+    of its own FFN peer.
+    """
+    held = bound_ffn_client()
+    if held is not None:
+        use_ffn_client(None)
+        held.close()

@@ -2,11 +2,10 @@
 
 The worker owns its `FFNClient`: it opens it on the FFN peer of its engine's
 `FFNPeerConfig` (vLLM's `additional_config`) when vLLM builds the AFD model
-(`attach_ffn_peer`, called by the model's layers: vLLM mixes the extension class into
-its worker class, so it has no constructor of its own, and the model is built, then
-profiled and warmed up, before any `collective_rpc` can reach it), moves it to a new
-peer (`afd_repeer`) and closes it (`afd_close`); the model's ops use it through
-`afd_ray.attention.ffn_op.use_ffn_client`.
+(`afd_ray.attention.ffn_op.attach_ffn_peer`, the hook the model's layers call at build:
+vLLM mixes the extension class into its worker class, so it has no constructor of its
+own, and the model is built, then profiled and warmed up, before any `collective_rpc`
+can reach it), moves it to a new peer (`afd_repeer`) and closes it (`afd_close`).
 
 vLLM's EngineCore runs `collective_rpc` calls between two engine steps, so no
 forward pass (and no A2F/F2A exchange) is in flight while the pair channel changes.
@@ -16,49 +15,14 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from vllm.config import VllmConfig
 
-from afd_ray.attention.ffn_client import FFNClient, FFNPeerConfig, record_steps, take_steps
-from afd_ray.attention.ffn_op import bound_ffn_client, ffn_client, use_ffn_client
+from afd_ray.attention.ffn_client import FFNClient, record_steps, take_steps
+from afd_ray.attention.ffn_op import bound_ffn_client, close_ffn_client, ffn_client, use_ffn_client
 from afd_ray.compat import batch_request_ids
 from afd_ray.control.membership import AttentionAssignment
 from afd_ray.weights import resident_bytes
 
-__all__ = ["AFDWorkerExtension", "attach_ffn_peer", "close_ffn_client"]
-
-
-def attach_ffn_peer(vllm_config: VllmConfig) -> None:
-    """Open this process's FFN client (JOIN) on the FFN peer of
-    `vllm_config.additional_config`, unless it is open there already; a client left
-    bound by an earlier engine in this process is closed first (LEAVE). Nothing when
-    the config is no `FFNPeerConfig` (a test binds its own client).
-
-    Called while vLLM builds the AFD model, once per decoder layer (idempotent).
-
-    Raises:
-        RuntimeError / DistStoreError: the FFN peer did not admit it within the timeout.
-    """
-    config = vllm_config.additional_config
-    if not isinstance(config, FFNPeerConfig):
-        return
-    held = bound_ffn_client()
-    if held is not None and held.assignment == config.assignment:
-        return
-    close_ffn_client()
-    use_ffn_client(FFNClient(config.assignment))
-
-
-def close_ffn_client() -> None:
-    """Close this process's client, if one is bound (LEAVE), and unbind it.
-
-    Also for processes that run several AFD engines one after another in-process
-    (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, as tests do): each engine needs the channel
-    of its own FFN peer.
-    """
-    held = bound_ffn_client()
-    if held is not None:
-        use_ffn_client(None)
-        held.close()
+__all__ = ["AFDWorkerExtension"]
 
 
 class AFDWorkerExtension:

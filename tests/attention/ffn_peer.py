@@ -12,7 +12,7 @@ import torch
 
 from afd_ray.attention.ffn_client import FFNClient
 from afd_ray.attention.ffn_op import use_ffn_client
-from afd_ray.attention.worker import close_ffn_client
+from afd_ray.attention.ffn_op import close_ffn_client
 from afd_ray.connector.channel import FFNChannel
 from afd_ray.control.membership import AttentionAssignment
 from afd_ray.ffn.model import FFNStack

@@ -20,7 +20,7 @@ import torch
 from transformers import AutoTokenizer
 
 from afd_ray.attention.ffn_client import FFNPeerConfig
-from afd_ray.attention.worker import close_ffn_client
+from afd_ray.attention.ffn_op import close_ffn_client
 from afd_ray.attention.plugin import afd_architecture
 from afd_ray.connector.channel import FFNChannel
 from afd_ray.control.membership import AttentionAssignment

@@ -26,7 +26,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from afd_ray.attention.ffn_client import FFNPeerConfig
-from afd_ray.attention.worker import close_ffn_client
+from afd_ray.attention.ffn_op import close_ffn_client
 from afd_ray.attention.plugin import afd_architecture
 from afd_ray.compat import attention_backend
 from afd_ray.connector.channel import FFNChannel

@@ -37,7 +37,7 @@ import pytest
 import torch
 
 from afd_ray.attention.ffn_client import FFNPeerConfig, take_steps
-from afd_ray.attention.worker import close_ffn_client
+from afd_ray.attention.ffn_op import close_ffn_client
 from afd_ray.attention.plugin import afd_architecture
 from afd_ray.connector.channel import AttentionChannel, FFNChannel
 from afd_ray.control.membership import AttentionAssignment

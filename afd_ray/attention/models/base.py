@@ -29,9 +29,8 @@ from vllm.config import VllmConfig
 from vllm.model_executor.models.utils import AutoWeightsLoader
 from vllm.sequence import IntermediateTensors
 
-from afd_ray.attention.ffn_op import begin_ffn_step, remote_ffn, remote_moe
+from afd_ray.attention.ffn_op import attach_ffn_peer, begin_ffn_step, remote_ffn, remote_moe
 from afd_ray.attention.model_state import AFDModelState
-from afd_ray.attention.worker import attach_ffn_peer
 from afd_ray.layers.family import ffn_layout
 from afd_ray.layers.mlp import GatedMLP
 from afd_ray.layers.routing import Router
