@@ -100,6 +100,23 @@ class AttentionAssignment(_Record):
     def address(self) -> FFNAddress:
         return FFNAddress(self.host, self.store_port, self.control_port)
 
+    @classmethod
+    def to_ffn(
+        cls, address: FFNAddress, peer: int, ffn_rank: int, epoch: int, transport: Transport, timeout_s: float
+    ) -> AttentionAssignment:
+        """Attention rank `peer`'s pairing with FFN rank `ffn_rank`, reached at `address`,
+        under `epoch` (no rescue endpoint: the `AttentionServer` fills it in)."""
+        return cls(
+            peer=peer,
+            ffn_rank=ffn_rank,
+            host=address.host,
+            store_port=address.store_port,
+            control_port=address.control_port,
+            epoch=epoch,
+            transport=transport,
+            timeout_s=timeout_s,
+        )
+
 
 class EPAssignment(_Record):
     """An FFN rank's place in the FFN layout of `epoch`: its EP rank among the FFN

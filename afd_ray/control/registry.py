@@ -316,15 +316,9 @@ class Registry:
         member = self.attention[rank]
         address = self.ffn[member.ffn_peer].address
         same_node = bool(member.node) and member.node == address.node
-        return AttentionAssignment(
-            peer=member.rank,
-            ffn_rank=member.ffn_peer,
-            host=address.host,
-            store_port=address.store_port,
-            control_port=address.control_port,
-            epoch=member.epoch,
-            transport=select_transport(self.transport, self.backend, same_node),
-            timeout_s=self.timeout_s,
+        transport = select_transport(self.transport, self.backend, same_node)
+        return AttentionAssignment.to_ffn(
+            address, member.rank, member.ffn_peer, member.epoch, transport, self.timeout_s
         )
 
     def attention_directive(self, rank: int) -> AttentionDirective | None:

@@ -27,17 +27,7 @@ def ffn_peer(stack: FFNStack, dtype: torch.dtype, timeout_s: float) -> Iterator[
     runtime = FFNRuntime(stack, channel, dtype, poll_s=0.05, batch_window_s=0.01)
     loop = threading.Thread(target=runtime.run)
     loop.start()
-    address = channel.address
-    assignment = AttentionAssignment(
-        peer=0,
-        ffn_rank=0,
-        host=address.host,
-        store_port=address.store_port,
-        control_port=address.control_port,
-        epoch=0,
-        transport="shm",
-        timeout_s=timeout_s,
-    )
+    assignment = AttentionAssignment.to_ffn(channel.address, 0, 0, 0, "shm", timeout_s)
     try:
         use_ffn_client(FFNClient(assignment))
         yield stack

@@ -88,17 +88,7 @@ def runs() -> Iterator[Runs]:
         runtime = FFNRuntime(ffn, channel, torch.float32, poll_s=0.05, batch_window_s=0.0)
         loop = threading.Thread(target=runtime.run, name="ffn-mixtral", daemon=True)
         loop.start()
-        address = channel.address
-        assignment = AttentionAssignment(
-            peer=0,
-            ffn_rank=0,
-            host=address.host,
-            store_port=address.store_port,
-            control_port=address.control_port,
-            epoch=0,
-            transport="gloo",
-            timeout_s=TIMEOUT_S,
-        )
+        assignment = AttentionAssignment.to_ffn(channel.address, 0, 0, 0, "gloo", TIMEOUT_S)
         try:
             afd, afd_params = _generate(
                 prompts,

@@ -8,21 +8,13 @@ import pytest
 from afd_ray.attention.engine import engine_args
 from afd_ray.attention.ffn_client import FFNPeerConfig
 from afd_ray.config import AttentionPoolConfig, ModelConfig
+from afd_ray.connector.header import FFNAddress
 from afd_ray.control.membership import AttentionAssignment
 from afd_ray.models.embedded import resolve_checkpoint
 
 
 def _assignment(port: int, epoch: int) -> AttentionAssignment:
-    return AttentionAssignment(
-        peer=0,
-        ffn_rank=0,
-        host="127.0.0.1",
-        store_port=port,
-        control_port=port + 1,
-        epoch=epoch,
-        transport="shm",
-        timeout_s=30.0,
-    )
+    return AttentionAssignment.to_ffn(FFNAddress("127.0.0.1", port, port + 1), 0, 0, epoch, "shm", 30.0)
 
 
 @pytest.mark.timeout(300)

@@ -86,17 +86,7 @@ def runs(monkeypatch_module: pytest.MonkeyPatch) -> Iterator[dict[str, Run]]:
     runtime = FFNRuntime(ffn, channel, torch.float32, poll_s=0.05, batch_window_s=0.0)
     loop = threading.Thread(target=runtime.run, name="ffn-breakdown", daemon=True)
     loop.start()
-    address = channel.address
-    assignment = AttentionAssignment(
-        peer=0,
-        ffn_rank=0,
-        host=address.host,
-        store_port=address.store_port,
-        control_port=address.control_port,
-        epoch=0,
-        transport="gloo",
-        timeout_s=TIMEOUT_S,
-    )
+    assignment = AttentionAssignment.to_ffn(channel.address, 0, 0, 0, "gloo", TIMEOUT_S)
     llm = LLM(
         str(folder),
         dtype="float32",
