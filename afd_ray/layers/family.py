@@ -119,36 +119,30 @@ def _deepseek(config: PretrainedConfig, routing: RoutingSpec) -> FFNLayout:
     return _layout(config, moe_layers, moe)
 
 
-def _mixtral_routing(config: PretrainedConfig) -> RoutingSpec:
-    """MixtralTopKRouter: softmax top-k, always renormalized, gate in the model dtype."""
+def _softmax_routing(num_experts: int, top_k: int, renormalize: bool) -> RoutingSpec:
+    """Softmax top-k over all experts, gate in the model dtype (Mixtral's and Qwen3-MoE's routers)."""
     return RoutingSpec(
-        num_experts=config.num_local_experts,
-        top_k=config.num_experts_per_tok,
+        num_experts=num_experts,
+        top_k=top_k,
         scoring="softmax",
         num_groups=1,
         top_groups=1,
         group_score="max",
         correction_bias=False,
-        renormalize=True,
+        renormalize=renormalize,
         scaling_factor=1.0,
         float32_logits=False,
     )
+
+
+def _mixtral_routing(config: PretrainedConfig) -> RoutingSpec:
+    """MixtralTopKRouter: always renormalized."""
+    return _softmax_routing(config.num_local_experts, config.num_experts_per_tok, renormalize=True)
 
 
 def _qwen3_routing(config: PretrainedConfig) -> RoutingSpec:
-    """Qwen3MoeTopKRouter: softmax top-k, gate in the model dtype."""
-    return RoutingSpec(
-        num_experts=config.num_experts,
-        top_k=config.num_experts_per_tok,
-        scoring="softmax",
-        num_groups=1,
-        top_groups=1,
-        group_score="max",
-        correction_bias=False,
-        renormalize=config.norm_topk_prob,
-        scaling_factor=1.0,
-        float32_logits=False,
-    )
+    """Qwen3MoeTopKRouter: renormalized when `norm_topk_prob`."""
+    return _softmax_routing(config.num_experts, config.num_experts_per_tok, renormalize=config.norm_topk_prob)
 
 
 def _deepseek_v2_routing(config: PretrainedConfig) -> RoutingSpec:
