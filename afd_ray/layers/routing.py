@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from afd_ray.layers.fused_routing import fused_routing
 from afd_ray.layers.spec import RoutingSpec
 
 __all__ = ["Router", "Routing"]
@@ -58,20 +59,30 @@ class Router(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> Routing:
         """Route hidden `[T, H]` (model dtype) to `Routing` (`[T, k]` int64, float32;
-        computed in the logits' dtype unless `spec.float32_scores`)."""
-        spec = self.spec
-        if spec.float32_logits:
+        computed in the logits' dtype unless `spec.float32_scores`).
+
+        On CUDA, where vLLM has a fused top-k kernel for this routing
+        (`afd_ray.layers.fused_routing`), that kernel computes it, as in plain vLLM;
+        otherwise `route_logits` (torch)."""
+        if self.spec.float32_logits:
             logits = F.linear(hidden.float(), self.weight)  # [T, E]
         else:
             logits = F.linear(hidden, self.weight)  # [T, E] model dtype
+        fused = fused_routing(self.spec, hidden, logits, self.e_score_correction_bias)
+        return self.route_logits(logits) if fused is None else Routing(*fused)
+
+    def route_logits(self, logits: torch.Tensor) -> Routing:
+        """The routing of gate logits `[T, E]` with torch operations (any device)."""
+        spec = self.spec
         if spec.float32_scores:
             logits = logits.float()
         scores = logits.softmax(dim=-1) if spec.scoring == "softmax" else logits.sigmoid()
         choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
         if spec.num_groups > 1:
             choice = self._limit_groups(choice)
-        ids = choice.topk(spec.top_k, dim=-1).indices  # [T, k]
-        weights = scores.gather(1, ids)  # [T, k]
+        values, ids = choice.topk(spec.top_k, dim=-1)  # [T, k]
+        # with a bias the choice is not the score: the weights are the unbiased scores
+        weights = values if self.e_score_correction_bias is None else scores.gather(1, ids)  # [T, k]
         if spec.renormalize:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return Routing(ids, (weights * spec.scaling_factor).float())
