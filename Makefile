@@ -43,15 +43,18 @@ models: install
 # `serve run --address local` always starts its own local Ray cluster (never a stale
 # address recorded by an earlier `ray start`), with its dashboard and Jobs API on
 # 127.0.0.1:8265; the venv's bin comes first on PATH, so a Ray job's `python ...`
-# entrypoint runs the project's Python.
+# entrypoint runs the project's Python. `afd-ray check` first: `serve run` of a config
+# that fails validation keeps running (docs/configuration.md, Validation).
 serve: install
 	$(VENV)/bin/afd-ray models prepare smollm2
+	$(VENV)/bin/afd-ray check --offline deployments/afd.yaml
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/serve run --address local deployments/afd.yaml
 
 # The MoE demo: SmolLM2 upcycled into Mixtral on 2 attention and 2 FFN ranks (EP2), the
 # same local cluster, environment and port as `serve`.
 serve-moe: install
 	$(VENV)/bin/afd-ray models prepare smollm2-moe
+	$(VENV)/bin/afd-ray check --offline deployments/afd-moe.yaml
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/serve run --address local deployments/afd-moe.yaml
 
 test: models

@@ -14,8 +14,9 @@ from vllm.distributed import cleanup_dist_env_and_memory
 
 
 @contextmanager
-def plain_llm(checkpoint: str, max_model_len: int, kv_cache_memory_bytes: int) -> Iterator[LLM]:
-    """An in-process `vllm.LLM` on `checkpoint`, float32, eager, shut down on exit.
+def plain_llm(checkpoint: str, max_model_len: int, kv_cache_memory_bytes: int, **engine_args: object) -> Iterator[LLM]:
+    """An in-process `vllm.LLM` on `checkpoint`, float32, eager, with further vLLM
+    `engine_args` (an app's `attention.engine_args`), shut down on exit.
 
     `VLLM_ENABLE_V1_MULTIPROCESSING=0`: the model runs in this process, with no
     EngineCore child re-importing vLLM beside the session's application (about 20 s of
@@ -31,6 +32,7 @@ def plain_llm(checkpoint: str, max_model_len: int, kv_cache_memory_bytes: int) -
             enforce_eager=True,
             max_model_len=max_model_len,
             kv_cache_memory_bytes=kv_cache_memory_bytes,
+            **engine_args,
         )
         try:
             yield llm

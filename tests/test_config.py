@@ -130,3 +130,67 @@ def test_an_unknown_ingress_placement_is_refused_naming_the_field(placement: obj
     with pytest.raises(ValidationError, match="'head' or 'any'") as error:
         AFDConfig.model_validate({"ingress": {"placement": placement}})
     assert _field(error.value) == "ingress.placement"
+
+
+def test_engine_args_take_vllm_engine_arguments() -> None:
+    engine = {"enable_prefix_caching": True, "max_num_batched_tokens": 512, "seed": 7, "kv_cache_dtype": "auto"}
+    cfg = AFDConfig.model_validate({"attention": {"engine_args": engine}})
+    assert cfg.attention.engine_args == engine
+    assert AFDConfig().attention.engine_args == {}
+
+
+def test_an_unknown_engine_arg_is_named_with_the_nearest_vllm_argument() -> None:
+    with pytest.raises(ValidationError) as error:
+        AFDConfig.model_validate({"attention": {"engine_args": {"seed": 7, "enable_prefix_cachin": True}}})
+    assert _field(error.value) == "attention.engine_args.enable_prefix_cachin.[key]"
+    assert "'enable_prefix_cachin' is not an engine argument of vLLM" in str(error.value)
+    assert "did you mean 'enable_prefix_caching'?" in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "instead"),
+    [
+        ("max_model_len", 512, "set model.max_model_len instead"),
+        ("dtype", "bfloat16", "set model.dtype instead"),
+        ("model", "/tmp/other", "set model.source instead"),
+        ("quantization", "fp8", "set model.quantization instead"),
+        ("tensor_parallel_size", 2, "set attention.num_ranks / ffn.num_ranks instead"),
+        ("data_parallel_rank", 1, "set attention.num_ranks / ffn.num_ranks instead"),
+        ("kv_cache_memory_bytes", 1 << 30, "set attention.kv_cache_gib instead"),
+        ("gpu_memory_utilization", 0.5, "set attention.gpu_memory_utilization instead"),
+        ("compilation_config", {"mode": 0}, "set attention.enforce_eager / attention.cudagraph_mode instead"),
+        ("worker_extension_cls", "my.Extension", "afd_ray sets it"),
+    ],
+)
+def test_an_engine_arg_afd_ray_owns_names_the_key_to_use(name: str, value: object, instead: str) -> None:
+    with pytest.raises(ValidationError) as error:
+        AFDConfig.model_validate({"attention": {"engine_args": {name: value}}})
+    assert _field(error.value) == f"attention.engine_args.{name}.[key]"
+    assert f"'{name}' is owned by afd_ray" in str(error.value)
+    assert instead in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("engine", "key"),
+    [
+        ({"seed": "7"}, "seed"),
+        ({"enable_prefix_caching": 1}, "enable_prefix_caching"),
+        ({"kv_cache_dtype": "fp9"}, "kv_cache_dtype"),
+    ],
+    ids=["str-int", "int-flag", "unknown-literal"],
+)
+def test_an_engine_arg_value_must_fit_vllms_type(engine: dict[str, object], key: str) -> None:
+    """Checked here against vLLM's annotation of the field, not at engine start."""
+    with pytest.raises(ValidationError, match=rf"attention\.engine_args\.{key}: .* does not fit vLLM's type"):
+        AFDConfig.model_validate({"attention": {"engine_args": engine}})
+
+
+def test_fp8_is_refused_before_deploy_on_cpu_and_taken_on_cuda() -> None:
+    with pytest.raises(
+        ValidationError, match=r"model\.quantization: fp8 needs FP8 kernels, .* platform cuda .* not cpu"
+    ):
+        AFDConfig.model_validate({"model": {"quantization": "fp8"}})
+    assert AFDConfig.model_validate({"platform": "cuda", "model": {"quantization": "fp8"}}).model.quantization == "fp8"
+    with pytest.raises(ValidationError) as error:
+        AFDConfig.model_validate({"platform": "cuda", "model": {"quantization": "int4"}})
+    assert _field(error.value) == "model.quantization"

@@ -39,9 +39,10 @@ def engine_args(
     """The `AsyncLLM` arguments of one attention rank.
 
     Args:
-        model: which model, its dtype and context length (`max_model_len` tokens).
+        model: which model, its dtype, quantization and context length (`max_model_len` tokens).
         attention: batch size, KV-cache budget (GiB), tokens per streamed chunk, eager
-            and CUDA-graph mode of the rank.
+            and CUDA-graph mode of the rank, and further vLLM engine arguments
+            (`engine_args`).
         gate_placement: where MoE routing runs; reaches the AFD model class as the
             config attribute `afd_gate_on_attention`.
         checkpoint: a local Hugging Face folder (config.json, safetensors,
@@ -61,8 +62,14 @@ def engine_args(
     that variable's whole-GiB granularity.
 
     The attention backend is chosen explicitly where vLLM would pick it by CPU flag
-    and get the dtype wrong (`afd_ray.compat.attention_backend`: MLA on AMX CPUs).
+    and get the dtype wrong (`afd_ray.compat.attention_backend`: MLA on AMX CPUs),
+    unless `attention.engine_args` names one.
+
+    `model.quantization` becomes vLLM's `quantization`; `attention.engine_args` are
+    passed on as they are (validated against vLLM's `EngineArgs` fields, none of those
+    set here: `afd_ray.config.engine_args.OWNED`).
     """
+    chosen = {"attention_backend": attention_backend(checkpoint, model.dtype)} | attention.engine_args
     return AsyncEngineArgs(
         model=str(checkpoint),
         served_model_name=[model.name],
@@ -72,7 +79,7 @@ def engine_args(
         stream_interval=attention.stream_interval,
         enforce_eager=attention.enforce_eager,
         load_format=model.load_format,
-        attention_backend=attention_backend(checkpoint, model.dtype),
+        quantization=model.quantization,
         kv_cache_memory_bytes=int(attention.kv_cache_gib * GIB),
         gpu_memory_utilization=attention.gpu_memory_utilization,
         hf_overrides={
@@ -82,6 +89,7 @@ def engine_args(
         worker_extension_cls=f"{AFDWorkerExtension.__module__}.{AFDWorkerExtension.__qualname__}",
         compilation_config=afd_compilation_config(attention),
         additional_config={} if assignment is None else FFNPeerConfig(assignment=assignment),
+        **chosen,
     )
 
 

@@ -22,6 +22,7 @@ from collections.abc import AsyncGenerator
 from pathlib import Path
 
 from ray.serve.handle import DeploymentHandle
+from vllm.config import VllmConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import VLLMValidationError
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest, ChatCompletionStreamResponse
@@ -205,6 +206,11 @@ class AttentionServer:
         keyed by parameter name without layer indices (`AFDWorkerExtension`)."""
         (totals,) = await self._engine.collective_rpc("afd_param_bytes")
         return totals
+
+    async def vllm_config(self) -> VllmConfig:
+        """The engine's resolved vLLM config (what vLLM logs at start): the settings
+        `attention.engine_args` and vLLM's defaults gave it."""
+        return self._engine.vllm_config
 
     async def graphs_captured(self) -> int:
         """CUDA graphs the vLLM worker captured (`AFDWorkerExtension.afd_graphs_captured`)."""

@@ -6,8 +6,9 @@ behind vLLM's OpenAI serving layer). A separate `vllm serve` would skip two Serv
 and use its own HTTP server, so the comparison would mix the cost of AFD with the
 cost of Ray Serve. Here the plain engine runs in a `PlainServer` replica behind the very
 same `Ingress` class, with the same engine arguments (`engine_args` of the attention
-pool, minus the three things that make it an AFD rank: the architecture override, the
-AFD worker extension and the AFD compilation settings) and the same engine environment
+pool, `attention.engine_args` included, minus the three things that make it an AFD
+rank: the architecture override, the AFD worker extension and the AFD compilation
+settings: `plain_engine_args`) and the same engine environment
 (`engine_env`). The plain engine keeps vLLM's own compilation defaults: with
 `enforce_eager: false` its default CUDA-graph mode (FULL_AND_PIECEWISE on CUDA),
 against the AFD rank's piecewise graphs split at the FFN ops, so each side runs its
@@ -20,10 +21,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+from pathlib import Path
 
 from ray import serve
 from ray.serve import Application
 from vllm.config import CompilationConfig
+from vllm.engine.arg_utils import AsyncEngineArgs
 
 from afd_ray.attention.engine import engine_args, engine_env
 from afd_ray.attention.server import AttentionServer
@@ -34,7 +37,7 @@ from afd_ray.platform import actor_resources, resource_key
 from afd_ray.serve.access import AccessKeys
 from afd_ray.serve.ingress import Ingress
 
-__all__ = ["PlainServer", "build_plain_app"]
+__all__ = ["PlainServer", "build_plain_app", "plain_engine_args"]
 
 
 class PlainServer(AttentionServer):
@@ -57,13 +60,7 @@ class PlainServer(AttentionServer):
         """Never set: the baseline engine is never drained or resized."""
         os.environ.update(engine_env(attention))
         checkpoint = resolve_checkpoint(model)
-        args = dataclasses.replace(  # vLLM's own compilation and CUDA-graph defaults, not AFD's split
-            engine_args(model, attention, checkpoint, "gate_on_ffn"),
-            hf_overrides={},
-            worker_extension_cls="",
-            compilation_config=CompilationConfig(),
-        )
-        self._start(args, model.name, checkpoint, metrics=True)
+        self._start(plain_engine_args(model, attention, checkpoint), model.name, checkpoint, metrics=True)
 
     async def pool_load(self) -> PoolLoad | None:
         """The coordinator's `pool_load` of the baseline: one engine, admitted on queue
@@ -78,6 +75,19 @@ class PlainServer(AttentionServer):
         """Stop the EngineCore; there is no FFN peer or coordinator to tell."""
         if hasattr(self, "_engine"):
             self._engine.shutdown()
+
+
+def plain_engine_args(model: ModelConfig, attention: AttentionPoolConfig, checkpoint: Path) -> AsyncEngineArgs:
+    """The attention rank's `engine_args` (its `attention.engine_args` and
+    `model.quantization` included) less the three that make it an AFD rank: the
+    architecture override, the worker extension and the AFD compilation settings
+    (vLLM's own compilation and CUDA-graph defaults instead)."""
+    return dataclasses.replace(
+        engine_args(model, attention, checkpoint, "gate_on_ffn"),
+        hf_overrides={},
+        worker_extension_cls="",
+        compilation_config=CompilationConfig(),
+    )
 
 
 CONTROL_CALLS = 4

@@ -9,9 +9,11 @@ a flag takes only `true`/`false`), so a typo in a YAML file is an error that nam
 the field.
 
 One file per part of the tree, after vLLM's `vllm/config/`: `base` (the section base
-and shared literals), `model`, `pools` (`attention`, `ffn`), `serving` (`connector`,
+and shared literals), `model`, `pools` (`attention`, `ffn`), `engine_args` (the check of
+`attention.engine_args` against vLLM's `EngineArgs`), `serving` (`connector`,
 `ingress`, `autoscale`, `observability`) and `tree` (the root `AFDConfig` and its
-cross-section checks); this facade is the import path.
+cross-section checks); this facade is the import path. `check` (imported on its own:
+`afd-ray check`) finds every error of a config file.
 """
 
 from afd_ray.config.base import CudaGraphMode, DType, GatePlacement, IngressPlacement

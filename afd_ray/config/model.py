@@ -38,6 +38,13 @@ class ModelConfig(Section):
     shapes whose weights are not at hand. Outputs are then meaningless text, the same as
     plain vLLM's with `load_format="dummy"`."""
 
+    quantization: Literal["fp8"] | None = None
+    """`fp8` (CUDA, compute capability >= 8.9; refused elsewhere before deploy): the
+    attention engine takes vLLM's `quantization="fp8"` (dynamic, from a bf16/fp16
+    checkpoint). Not done yet (issue 35): the FFN role's FP8 experts; its experts stay
+    in `dtype`, and no GPU run has checked this setting. None: the checkpoint's own
+    `quantization_config` if it has one, else `dtype`."""
+
     @model_validator(mode="after")
     def _source_exists(self) -> ModelConfig:
         if self.source not in EMBEDDED_MODELS and not (Path(self.source) / "config.json").is_file():

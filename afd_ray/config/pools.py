@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, JsonValue, field_validator, model_validator
 
 from afd_ray.config.base import CudaGraphMode, Section
+from afd_ray.config.engine_args import EngineArgName, check_engine_arg_values
 
 __all__ = ["EP_IDLE_CHECK_MAX_US", "AttentionPoolConfig", "FFNPoolConfig", "PoolPlacement"]
 
@@ -95,6 +96,19 @@ class AttentionPoolConfig(Section):
 
     placement: PoolPlacement = PoolPlacement()
     """Ray nodes the attention ranks may run on (default: any)."""
+
+    engine_args: dict[EngineArgName, JsonValue] = {}
+    """Further vLLM engine arguments of the attention engine (and of the benchmark's
+    plain engine), as Ray Serve LLM's `engine_kwargs`: e.g. `{enable_prefix_caching:
+    true, max_num_batched_tokens: 512, seed: 7}`. Each key must be a field of the
+    installed vLLM's `EngineArgs` that afd_ray does not set itself
+    (`afd_ray.config.engine_args.OWNED`: those name the afd_ray key to use), and each
+    value must fit that field's type. docs/configuration.md has the table."""
+
+    @field_validator("engine_args")
+    @classmethod
+    def _engine_arg_values(cls, args: dict[str, JsonValue]) -> dict[str, JsonValue]:
+        return check_engine_arg_values(args, where="attention.engine_args")
 
 
 EP_IDLE_CHECK_MAX_US = 1_000_000

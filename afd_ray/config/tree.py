@@ -13,7 +13,11 @@ from afd_ray.config.serving import AutoscaleConfig, ConnectorConfig, IngressConf
 from afd_ray.connector.transports import check_transport
 from afd_ray.platform import Platform, collective_backend
 
-__all__ = ["AFDConfig"]
+__all__ = ["FP8_PLATFORMS", "AFDConfig"]
+
+FP8_PLATFORMS = ("cuda",)
+"""Platforms with vLLM FP8 kernels for both roles (`model.quantization: fp8`); the GPU
+must also have compute capability >= 8.9 (`afd_ray.config.check.FP8_CAPABILITY`)."""
 
 
 class AFDConfig(Section):
@@ -64,6 +68,11 @@ class AFDConfig(Section):
             raise ValueError(
                 f"ingress.max_ongoing_requests: {self.ingress.max_ongoing_requests} must exceed the admission "
                 f"capacity {capacity} (attention.max_ranks x (attention.max_num_seqs + ingress.max_queued_per_rank))"
+            )
+        if self.model.quantization is not None and self.platform not in FP8_PLATFORMS:
+            raise ValueError(
+                f"model.quantization: {self.model.quantization} needs FP8 kernels, which afd_ray runs on "
+                f"platform {' or '.join(FP8_PLATFORMS)} (compute capability >= 8.9) only, not {self.platform}"
             )
         if self.autoscale.enabled and self.autoscale.policy is None:
             raise ValueError("autoscale.policy: a policy file is needed when autoscale.enabled is true")

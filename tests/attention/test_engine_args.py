@@ -1,13 +1,18 @@
-"""The FFN peer reaches the attention engine in vLLM's own config, outside its
-compile-cache key (no Ray, no engine start)."""
+"""The attention engine's arguments as vLLM resolves them (no Ray, no engine start):
+the FFN peer in vLLM's own config, outside its compile-cache key, and
+`attention.engine_args` passed through."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
+from vllm.engine.arg_utils import AsyncEngineArgs
 
 from afd_ray.attention.engine import engine_args
 from afd_ray.attention.ffn_client import FFNPeerConfig
 from afd_ray.config import AttentionPoolConfig, ModelConfig
+from afd_ray.config.engine_args import OWNED
 from afd_ray.connector.header import FFNAddress
 from afd_ray.control.membership import AttentionAssignment
 from afd_ray.models.embedded import resolve_checkpoint
@@ -35,3 +40,50 @@ def test_the_ffn_peer_is_in_vllms_config_and_out_of_its_compile_cache_key() -> N
     assert all(isinstance(peer, FFNPeerConfig) for peer in peers)
     assert [peer.assignment.store_port for peer in peers] == [20000, 31000]
     assert configs[0].compute_hash() == configs[1].compute_hash()
+
+
+ENGINE = {"enable_prefix_caching": True, "max_num_batched_tokens": 512, "seed": 7}
+
+
+@pytest.mark.timeout(300)
+def test_attention_engine_args_reach_vllms_config() -> None:
+    """`attention.engine_args` end in the engine's `VllmConfig`, where vLLM's defaults
+    (the same config without them) differ."""
+    model = ModelConfig()
+    checkpoint = resolve_checkpoint(model)
+    given, default = (
+        engine_args(model, AttentionPoolConfig(engine_args=extra), checkpoint, "gate_on_ffn").create_engine_config()
+        for extra in (ENGINE, {})
+    )
+    settings = [
+        (
+            config.cache_config.enable_prefix_caching,
+            config.scheduler_config.max_num_batched_tokens,
+            config.model_config.seed,
+        )
+        for config in (given, default)
+    ]
+    assert settings[0] == (True, 512, 7)
+    assert settings[1][1:] != (512, 7)
+
+
+def test_every_argument_afd_ray_sets_is_owned() -> None:
+    """A key `engine_args` sets itself can't come from `attention.engine_args` (it
+    would be given twice); `attention_backend` is the one it lets them override."""
+    model = ModelConfig()
+    args = engine_args(model, AttentionPoolConfig(), resolve_checkpoint(model), "gate_on_ffn")
+    defaults = AsyncEngineArgs(model=args.model)
+    changed = {
+        field.name
+        for field in dataclasses.fields(args)
+        if field.name != "model" and getattr(args, field.name) != getattr(defaults, field.name)
+    }
+    assert {"hf_overrides", "worker_extension_cls", "max_num_seqs"} <= changed
+    assert changed - {"attention_backend"} <= set(OWNED) | {"model"}
+    chosen = engine_args(
+        model,
+        AttentionPoolConfig(engine_args={"attention_backend": "CPU_ATTN"}),
+        resolve_checkpoint(model),
+        "gate_on_ffn",
+    )
+    assert chosen.attention_backend == "CPU_ATTN"

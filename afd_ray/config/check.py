@@ -1,0 +1,249 @@
+"""`afd-ray check FILE.yaml`: every error of a Serve config file (or an autoscaling
+policy file), each with its key path, before anything is deployed.
+
+It checks the file, not this machine: each afd_ray application's `args` against the
+config tree (`AFDConfig`, `attention.engine_args` against the installed vLLM's
+`EngineArgs`), and what `build_app` checks from the file (gate placement against the
+model, the autoscaling policy it names). Only when given a running Ray cluster's
+resources does it check the pools against them (`cluster_errors`); so a CUDA config
+passes on a laptop without a GPU. Not checked: the API-key variables
+(`ingress.api_key_env`), which the Serve build reads on the cluster.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import yaml
+from pydantic import ValidationError
+
+from afd_ray.config.tree import AFDConfig
+
+__all__ = [
+    "APP_IMPORT_PATH",
+    "FP8_CAPABILITY",
+    "NO_FP8_ACCELERATORS",
+    "ClusterResources",
+    "ConfigError",
+    "args_errors",
+    "cluster_errors",
+    "file_errors",
+    "fp8_device_errors",
+    "validation_errors",
+]
+
+APP_IMPORT_PATH = "afd_ray.serve.app:build_app"
+"""The `import_path` of an afd_ray application in a Serve config file."""
+FP8_CAPABILITY = (8, 9)
+"""Least CUDA compute capability with FP8 tensor cores (Ada, Hopper and later)."""
+NO_FP8_ACCELERATORS = frozenset({"V100", "P100", "T4", "P4", "K80", "A10G", "A100", "A100-40G", "A100-80G"})
+"""Ray's NVIDIA accelerator types (`ray.util.accelerators`, the node resource
+`accelerator_type:<type>`) below `FP8_CAPABILITY`. A type not listed is left to vLLM."""
+_ACCELERATOR = "accelerator_type:"
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfigError:
+    """One error of a config file: the dotted key path and what is wrong there."""
+
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}"
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterResources:
+    """What a running Ray cluster has, summed over its alive nodes."""
+
+    total: Mapping[str, float]
+    """Resource name -> amount (`ray.cluster_resources()`)."""
+    largest_node: Mapping[str, float]
+    """Resource name -> the most one node has (a bundle must fit on one node)."""
+
+    @staticmethod
+    def of_running_cluster() -> ClusterResources:
+        """The resources of the cluster this process is connected to (`ray.init` done).
+
+        Raises:
+            RuntimeError: Ray is not initialized.
+        """
+        import ray
+
+        nodes = [node["Resources"] for node in ray.nodes() if node["Alive"]]
+        largest = {name: max(node.get(name, 0.0) for node in nodes) for node in nodes for name in node}
+        return ClusterResources(total=dict(ray.cluster_resources()), largest_node=largest)
+
+
+def _path(prefix: str, loc: Iterable[int | str]) -> str:
+    parts = [prefix] if prefix else []
+    parts += [f"[{part}]" if isinstance(part, int) else part for part in loc if part != "[key]"]
+    return ".".join(parts).replace(".[", "[")
+
+
+_LEADING_KEY = re.compile(r"^([a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)*): (.*)$", re.S)
+"""A message that starts with a (dotted) key path (`ffn.ubatches: ...`)."""
+
+
+def _split_key(prefix: str, message: str) -> ConfigError:
+    """A cross-section error whose message starts with its key (`ffn.ubatches: ...`)
+    under that key's path; any other message under `prefix`."""
+    match = _LEADING_KEY.match(message)
+    if match:
+        return ConfigError(_path(prefix, match[1].split(".")), match[2])
+    return ConfigError(prefix or "<root>", message)
+
+
+def validation_errors(error: ValidationError, prefix: str) -> list[ConfigError]:
+    """One `ConfigError` per pydantic error, under `prefix`."""
+    found = []
+    for item in error.errors():
+        message = item["msg"].removeprefix("Value error, ")
+        named = _LEADING_KEY.match(message)
+        if item["loc"] and not (named and named[1].startswith(".".join(map(str, item["loc"])))):
+            found.append(ConfigError(_path(prefix, item["loc"]), message))
+        else:  # a cross-section error (no loc) or one naming a key below its loc
+            found.append(_split_key(prefix, message))
+    return found
+
+
+def args_errors(args: object, prefix: str = "args") -> tuple[AFDConfig | None, list[ConfigError]]:
+    """Validate an application's `args` as `build_app` does, without a cluster.
+
+    Returns the config (None when it does not validate) and every error found.
+    """
+    from afd_ray.autoscale.loader import load_policy
+    from afd_ray.models.embedded import check_gate_placement
+
+    try:
+        cfg = AFDConfig.model_validate(args)
+    except ValidationError as e:
+        return None, validation_errors(e, prefix)
+    found = []
+    try:
+        check_gate_placement(cfg.model, cfg.gate_placement)
+    except ValueError as e:
+        found.append(_split_key(prefix, str(e)))
+    if cfg.autoscale.policy is not None:
+        try:
+            load_policy(cfg.autoscale.policy)
+        except (ValueError, OSError) as e:
+            found.append(ConfigError(_path(prefix, ["autoscale", "policy"]), str(e)))
+    return cfg, found
+
+
+def cluster_errors(cfg: AFDConfig, cluster: ClusterResources, prefix: str = "args") -> list[ConfigError]:
+    """The pools at their starting size (`num_ranks`) against a running cluster: each
+    pool's bundles, then both pools together, must fit in what the cluster has, and
+    each bundle on one node; FP8 needs GPUs with FP8 kernels (`fp8_device_errors`)."""
+    from afd_ray.platform import resource_key
+
+    key = resource_key(cfg.platform)
+    found = []
+    needs: dict[str, float] = {}
+    short: set[str] = set()
+    for name, pool in (("attention", cfg.attention), ("ffn", cfg.ffn)):
+        for resource, amount in {key: pool.bundle_resources, **pool.placement.resources}.items():
+            need = pool.num_ranks * amount
+            needs[resource] = needs.get(resource, 0.0) + need
+            has, largest = cluster.total.get(resource, 0.0), cluster.largest_node.get(resource, 0.0)
+            if need > has:
+                short.add(resource)
+                found.append(
+                    ConfigError(
+                        _path(prefix, [name]),
+                        f"num_ranks {pool.num_ranks} x {amount:g} {resource} = {need:g} {resource}, "
+                        f"the running Ray cluster has {has:g}",
+                    )
+                )
+            elif amount > largest:
+                found.append(
+                    ConfigError(
+                        _path(prefix, [name]),
+                        f"a bundle of {amount:g} {resource} fits on no node (the largest has {largest:g})",
+                    )
+                )
+    for resource, need in needs.items():
+        has = cluster.total.get(resource, 0.0)
+        if need > has and resource not in short:
+            found.append(
+                ConfigError(
+                    prefix or "<root>",
+                    f"attention + ffn at start need {need:g} {resource}, the running Ray cluster has {has:g}",
+                )
+            )
+    return found + fp8_device_errors(cfg, cluster, prefix)
+
+
+def fp8_device_errors(cfg: AFDConfig, cluster: ClusterResources, prefix: str = "args") -> list[ConfigError]:
+    """`model.quantization: fp8` on a cluster whose GPU nodes include a type without
+    FP8 kernels (`NO_FP8_ACCELERATORS`, from each node's `accelerator_type:` resource).
+
+    Types Ray does not name, and clusters without GPUs (the pool check reports those),
+    are left to vLLM's own check at engine start.
+    """
+    if cfg.model.quantization != "fp8":
+        return []
+    types = {name.removeprefix(_ACCELERATOR) for name in cluster.total if name.startswith(_ACCELERATOR)}
+    slow = sorted(types & NO_FP8_ACCELERATORS)
+    if not slow:
+        return []
+    capability = ".".join(map(str, FP8_CAPABILITY))
+    return [
+        ConfigError(
+            _path(prefix, ["model", "quantization"]),
+            f"fp8 needs GPUs of compute capability >= {capability}; the running Ray cluster has {', '.join(slow)}",
+        )
+    ]
+
+
+def file_errors(path: Path, cluster: ClusterResources | None) -> tuple[int, list[ConfigError]]:
+    """Every error of the Serve config file (or autoscaling policy file) at `path`.
+
+    A mapping with `applications` is a Serve config: each application whose
+    `import_path` is `APP_IMPORT_PATH` is checked (`args_errors`, and `cluster_errors`
+    when `cluster` is given). Any other mapping is read as an autoscaling policy
+    (`afd_ray.autoscale.schema.AutoscalePolicy`, e.g. deployments/autoscale.yaml).
+
+    Returns the number of afd_ray applications (or policies) checked and the errors.
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    from ray.serve.schema import ServeDeploySchema
+
+    from afd_ray.autoscale.loader import PolicyError, load_policy
+
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        return 0, [ConfigError("<file>", f"not valid YAML: {e}")]
+    if not isinstance(data, dict):
+        return 0, [ConfigError("<file>", "expected a Serve config (a mapping with `applications`) or a policy")]
+    if "applications" not in data:
+        try:
+            load_policy(path)
+        except PolicyError as e:
+            return 1, [ConfigError("<policy>", str(e))]
+        return 1, []
+    try:
+        ServeDeploySchema.model_validate(data)
+    except ValidationError as e:
+        return 0, validation_errors(e, "")
+    found, checked = [], 0
+    for index, app in enumerate(data["applications"]):
+        if app.get("import_path") != APP_IMPORT_PATH:
+            continue
+        checked += 1
+        prefix = f"applications[{index}].args"
+        cfg, errors = args_errors(app.get("args") or {}, prefix)
+        found += errors
+        if cfg is not None and cluster is not None:
+            found += cluster_errors(cfg, cluster, prefix)
+    if not checked:
+        found.append(ConfigError("applications", f"no application with import_path {APP_IMPORT_PATH}"))
+    return checked, found
