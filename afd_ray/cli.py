@@ -6,9 +6,11 @@
     afd-ray autoscale simulate --policy P.yaml (--trace T.jsonl | --ramp) [--out S.json] [--plot OUT.png]
     afd-ray autoscale record --url URL --out T.jsonl [--interval-s S] [--duration-s S]
     afd-ray autoscale apply --policy P.yaml [--url URL] [--admin-key-env VAR]  # reload the policy of a running app
-    afd-ray profile (--model SRC | --tiny FAMILY) --out P.json  # colocated step split
-    afd-ray plan --profile P.json --slo-tpot-ms MS --devices N  # which A:F ratio to run
+    afd-ray profile (--model SRC | --tiny FAMILY) --out P.json  # step split, plain vLLM on every core
+    afd-ray profile --platform cuda (--model SHAPE | --from-bench R.json ...) --out P.json  # via afd_ray.bench
+    afd-ray plan --profile P.json --slo-tpot-ms MS --devices N [--out PLAN.json]  # A:F ratio vs plain vLLM
     afd-ray trace REQUEST_ID [--url URL] [--json]      # per-token breakdown across the pools
+    afd-ray check FILE.yaml [--offline] [--address ADDR]  # every config error, before a deploy
     afd-ray dashboards export [--out dashboards/afd.json]
     afd-ray dashboards push --url GRAFANA_URL --token-env VAR [--folder-uid UID]
 
@@ -24,11 +26,13 @@ import argparse
 import concurrent.futures
 import json
 import os
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from afd_ray.argtypes import http_url, positive, positive_int
 from afd_ray.config import EMBEDDED_MODELS
+from afd_ray.config.check import ClusterResources, file_errors
 from afd_ray.models import FAMILIES
 from afd_ray.observability.cli import add_dashboards, add_trace
 from afd_ray.plan.cli import add_plan, add_profile
@@ -300,6 +304,49 @@ def _add_scale(subparsers: argparse._SubParsersAction) -> None:
     scale.set_defaults(handler=_scale)
 
 
+def _check(args: argparse.Namespace) -> None:
+    cluster, where = None, "pools not checked: --offline"
+    if not args.offline:
+        cluster, where = _running_cluster(args.address)
+    checked, errors = file_errors(args.file, cluster)
+    for error in errors:
+        print(f"{args.file}: {error}", file=sys.stderr)
+    if errors:
+        raise ValueError(f"{args.file}: {len(errors)} error{'s' * (len(errors) > 1)}")
+    print(f"{args.file}: OK ({checked} checked; {where})")
+
+
+def _running_cluster(address: str | None) -> tuple[ClusterResources | None, str]:
+    """The resources of a running Ray cluster (this process's, or one at `address`,
+    default `RAY_ADDRESS` or the local one), never starting one; None when none runs."""
+    import ray
+
+    if ray.is_initialized():
+        return ClusterResources.of_running_cluster(), "pools checked against this process's Ray cluster"
+    try:
+        ray.init(address=address or "auto", log_to_driver=False, logging_level="ERROR")
+    except ConnectionError:
+        return None, "pools not checked: no running Ray cluster"
+    try:
+        gcs = ray.get_runtime_context().gcs_address
+        return ClusterResources.of_running_cluster(), f"pools checked against the running Ray cluster at {gcs}"
+    finally:
+        ray.shutdown()
+
+
+def _add_check(subparsers: argparse._SubParsersAction) -> None:
+    check = subparsers.add_parser(
+        "check",
+        help="validate a Serve config file (or an autoscaling policy) offline: each afd_ray app's args, "
+        "attention.engine_args against vLLM, and the pools against a running Ray cluster's resources if "
+        "one runs; prints every error with its key path, exit status 1 on an error",
+    )
+    check.add_argument("file", type=Path, help="Serve config YAML (e.g. deployments/afd.yaml) or policy YAML")
+    check.add_argument("--offline", action="store_true", help="do not look for a running Ray cluster")
+    check.add_argument("--address", help="Ray cluster to check the pools against (default: RAY_ADDRESS or local)")
+    check.set_defaults(handler=_check)
+
+
 _GROUPS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     _add_models,
     _add_scale,
@@ -308,6 +355,7 @@ _GROUPS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     add_plan,
     add_trace,
     add_dashboards,
+    _add_check,
 )
 
 
