@@ -30,24 +30,26 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from afd_ray.bench.commit import git_commit
 from afd_ray.bench.config import BenchConfig, Topology
-from afd_ray.bench.schema import BenchResult, FFNRankResult
+from afd_ray.bench.schema import BenchResult, FFNRankResult, Stat
 from afd_ray.config import EMBEDDED_MODELS
 from afd_ray.models import FAMILIES
 from afd_ray.models.shapes import SHAPES
 from afd_ray.serve.ingress_env import private_cluster_env, private_http_options
 
-__all__ = ["build_parser", "format_table", "main", "serve_endpoint", "usage_message"]
+__all__ = ["RUN_FLAGS", "build_parser", "format_same_batch", "format_table", "main", "serve_endpoint", "usage_message"]
 
 SMOKE = {
     "topologies": ("plain", "1A1F"),
     "concurrency": (1,),
     "requests_per_stream": 1,
+    "repeats": 1,
     "max_tokens": 4,
     "transport_microbench": False,
 }
-"""`--smoke`: one short request per topology, plain and 1A:1F; flags given explicitly
-still win."""
+"""`--smoke`: one short request per topology, plain and 1A:1F, one repeat; flags given
+explicitly still win."""
 
 _FLAG_TYPES: dict[str, dict[str, object]] = {
     "platform": {"choices": ("cpu", "cuda")},
@@ -57,6 +59,9 @@ _FLAG_TYPES: dict[str, dict[str, object]] = {
     "concurrency": {"type": int, "nargs": "+"},
     "prompt_tokens": {"type": int},
     "requests_per_stream": {"type": int},
+    "min_round_s": {"type": float},
+    "repeats": {"type": int},
+    "redeploy": {"action": argparse.BooleanOptionalAction},
     "prompt": {},
     "max_tokens": {"type": int},
     "attention_threads": {"type": int},
@@ -82,6 +87,10 @@ _FLAG_TYPES: dict[str, dict[str, object]] = {
     "note": {},
 }
 """Command-line form of each `BenchConfig` field; defaults and help come from the model."""
+
+RUN_FLAGS = ("out", "ray_address", "serve_url", "smoke", "commit")
+"""Flags of `build_parser` that are not `BenchConfig` fields: where the run connects,
+where it writes, the preset, and the commit it records."""
 
 
 def _shown(default: object) -> str:
@@ -119,6 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="Ray cluster to join (default: $RAY_ADDRESS, set for Ray jobs; else a private local cluster)",
     )
     parser.add_argument("--serve-url", help="HTTP address of a running Serve instance (default: discovered)")
+    parser.add_argument(
+        "--commit",
+        help="git commit of the code that runs, recorded in the result (default: git rev-parse HEAD of this "
+        "checkout, -dirty with uncommitted changes; give it where the copy has no .git)",
+    )
     return parser
 
 
@@ -133,7 +147,8 @@ def _split(rank: FFNRankResult) -> str:
 def format_table(result: BenchResult) -> str:
     """One line per run: throughput, latencies, FFN traffic, busy fraction and step split."""
     header = (
-        f"{'family':<18}{'layout':<10}{'batch':>6}{'thr':>4}{'tok/s':>9}{'TTFT p50':>10}{'TPOT':>8}{'ITL p50':>9}"
+        f"{'family':<18}{'layout':<10}{'batch':>6}{'rep':>4}{'thr':>4}{'tok/s':>9}{'dec tok/s':>10}{'TTFT p50':>10}"
+        f"{'TPOT p50':>9}{'TPOT p90':>9}{'ITL p50':>9}"
         f"{'ITL p99':>9}{'tok/step':>10}{'B/step':>10}{'formula':>10}{'FFN busy':>10}{'good r/s':>10}{'cost/1M':>9}"
         f"  {'split a/w/f/i'}"
     )
@@ -147,8 +162,9 @@ def format_table(result: BenchResult) -> str:
         else:
             tokens = measured = formula = busy = split = "-"
         lines.append(
-            f"{run.family:<18}{run.label:<10}{run.concurrency:>6}{run.threads:>4}{run.output_tokens_per_s:>9.1f}"
-            f"{run.ttft.p50_ms:>10.1f}{run.tpot.mean_ms:>8.1f}{run.itl.p50_ms:>9.1f}{run.itl.p99_ms:>9.1f}"
+            f"{run.family:<18}{run.label:<10}{run.concurrency:>6}{run.repeat:>4}{run.threads:>4}"
+            f"{run.output_tokens_per_s:>9.1f}{_number(run.decode_tokens_per_s):>10}{run.ttft.p50_ms:>10.1f}"
+            f"{run.tpot.p50_ms:>9.1f}{run.tpot.p90_ms:>9.1f}{run.itl.p50_ms:>9.1f}{run.itl.p99_ms:>9.1f}"
             f"{tokens:>10}{measured:>10}{formula:>10}{busy:>10}"
             + (
                 f"{run.slo.goodput_rps:>10.2f}{run.slo.cost_per_1m_output_tokens:>9.2f}"
@@ -158,11 +174,49 @@ def format_table(result: BenchResult) -> str:
             + f"  {split}"
         )
     lines.append(
-        "batch: concurrent streams; times in ms (TPOT: mean over requests); tok/step and B/step (A2F+F2A) summed over FFN "
+        "batch: concurrent streams; rep: repeat; tok/s: output tokens over the round's wall time; dec tok/s: "
+        "decode tokens/s (first token's wait left out); times in ms (TPOT: per request, percentiles over requests); tok/step and B/step (A2F+F2A) summed over FFN "
         "ranks; formula = 2 x L x N_tokens x H x bytes; FFN busy per rank; good r/s: requests/s "
         f"meeting TTFT <= {result.config.slo_ttft_ms:g} ms and TPOT <= {result.config.slo_tpot_ms:g} ms; "
         f"cost/1M: per 1M output tokens at {result.config.price_per_device_hour:g} per device-hour; "
         "split a/w/f/i per FFN rank: mean ms per timed step of attention/wire/FFN/idle on the FFN rank's device timeline"
+    )
+    return "\n".join(lines)
+
+
+def _number(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def _stat(stat: Stat, digits: int) -> str:
+    return f"{stat.median:.{digits}f} [{stat.min:.{digits}f}..{stat.max:.{digits}f}]"
+
+
+_FIGURE_NAMES = {
+    "output_tok_s": "output tok/s",
+    "decode_tok_s": "decode tok/s",
+    "tpot_p50_ms": "TPOT p50 ms",
+    "tpot_p90_ms": "TPOT p90 ms",
+    "ttft_p50_ms": "TTFT p50 ms",
+}
+
+
+def format_same_batch(result: BenchResult) -> str:
+    """Every AFD layout against plain vLLM at the same batch (`result.same_batch`):
+    per figure, each side's median over the repeats and the median of the per-repeat
+    AFD/plain ratios, each with its range; "" when the result has no plain runs."""
+    if not result.same_batch:
+        return ""
+    header = f"{'family':<18}{'layout':<10}{'batch':>6}{'n':>3}  {'figure':<14}{'plain':<26}{'AFD':<26}AFD/plain"
+    lines = [header, "-" * (len(header) + 12)]
+    for c in result.same_batch:
+        for k, (name, title) in enumerate(_FIGURE_NAMES.items()):
+            key = f"{c.family:<18}{c.layout:<10}{c.batch:>6}{c.repeats:>3}" if k == 0 else " " * 37
+            plain, afd, ratio = (getattr(side, name) for side in (c.plain, c.afd, c.ratio))
+            lines.append(f"{key}  {title:<14}{_stat(plain, 1):<26}{_stat(afd, 1):<26}{_stat(ratio, 3)}")
+    lines.append(
+        "same batch against same batch; n: repeats of each side (ABBA order); median [min..max] over the repeats; "
+        "AFD/plain: median [min..max] of the ratio of each repeat's pair"
     )
     return "\n".join(lines)
 
@@ -238,7 +292,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser = build_parser()
     args = vars(parser.parse_args(argv))
-    out, ray_address, serve_url, smoke = (args.pop(k) for k in ("out", "ray_address", "serve_url", "smoke"))
+    out, ray_address, serve_url, smoke, commit = (args.pop(k) for k in RUN_FLAGS)
+    commit = commit or git_commit()
     try:
         cfg = BenchConfig.model_validate((SMOKE if smoke else {}) | args)
     except ValueError as e:
@@ -248,10 +303,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from afd_ray.bench.transport import format_table as format_transport_table
 
     with serve_endpoint(cfg, ray_address, serve_url) as url:
-        result = run_benchmark(cfg, url)
+        result = run_benchmark(cfg, url, commit=commit)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(result.model_dump_json(indent=2) + "\n")
     print(format_table(result))
+    if result.same_batch:
+        print(format_same_batch(result))
     if result.transport is not None:
         print(format_transport_table(result.transport.model_dump()))
     print(f"afd_ray.bench: wrote {out}")

@@ -160,7 +160,27 @@ class BenchConfig(BaseModel):
     while every decode step still attends over the whole context of each sequence."""
 
     requests_per_stream: int = Field(4, ge=1)
-    """Requests each stream sends one after another (measured)."""
+    """Requests each stream sends one after another (measured), at least; see `min_round_s`."""
+
+    min_round_s: float = Field(0.0, ge=0)
+    """Seconds a measured round lasts at least: each stream keeps sending requests
+    (past `requests_per_stream`) until this long after the round started, so the
+    batch stays full and decode is measured over this long (10 on the GPU product
+    benchmark, where 2 x 256 tokens per stream lasted 1-4 s); 0: `requests_per_stream`
+    alone sizes the round."""
+
+    repeats: int = Field(3, ge=1)
+    """Deployments of every layout, each measured at every batch. The layouts run in
+    counterbalanced (ABBA) order: the listed order on even repeats, reversed on odd
+    ones (plain, 1A1F, 1A1F, plain, plain, 1A1F for 3 repeats), so a drift of the
+    machine over the run does not always favour the side that runs later. Repeat k of
+    each AFD layout is compared with repeat k of plain (`afd_ray.bench.compare`)."""
+
+    redeploy: bool = True
+    """Deploy a layout anew for every repeat, so the spread includes what changes from
+    one start of the engines to the next; off, a layout that runs twice in a row (at
+    an ABBA turn) keeps its deployment: R + 1 deployments of two layouts instead of
+    2R (a GPU deployment takes 100-150 s)."""
 
     prompt: str = Field("The quick brown fox jumps over the lazy dog, again and again and again.", min_length=1)
     """The prompt of every request (the same for all, so prompt length is fixed)."""

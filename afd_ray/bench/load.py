@@ -1,10 +1,11 @@
 """The fixed concurrent load: streaming `/v1/completions` requests over httpx/asyncio.
 
-Each stream (one per request body: the concurrency) sends `requests_per_stream`
-requests one after another;
-each request streams (SSE) with `return_token_ids`, so every chunk says how many
-tokens it carries, and `stream_options.include_usage`, so the last chunk gives the
-totals. All times come from `time.perf_counter()` in this process.
+Each stream (one per request body: the concurrency) sends requests one after another:
+at least `requests_per_stream`, and more until the round has lasted `min_round_s` (so
+a round is long enough to measure steady decode; every stream keeps the batch full
+until then). Each request streams (SSE) with `return_token_ids`, so every chunk says
+how many tokens it carries, and `stream_options.include_usage`, so the last chunk
+gives the totals. All times come from `time.perf_counter()` in this process.
 """
 
 from __future__ import annotations
@@ -42,7 +43,12 @@ class RequestTiming:
     @property
     def tpot_s(self) -> float:
         """Mean time per output token after the first (needs `output_tokens >= 2`)."""
-        return (self.token_times_s[-1] - self.token_times_s[0]) / (self.output_tokens - 1)
+        return self.decode_s / (self.output_tokens - 1)
+
+    @property
+    def decode_s(self) -> float:
+        """First token to last token: the request's decode time."""
+        return self.token_times_s[-1] - self.token_times_s[0]
 
     @property
     def itl_s(self) -> list[float]:
@@ -60,6 +66,25 @@ class LoadResult:
     wall_s: float
     """First request sent until the last one finished, seconds."""
     requests: list[RequestTiming]
+    streams: int
+    """Concurrent streams: the batch."""
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Decode rate of the batch, tokens/s: the streams times the tokens after the
+        first over the time after the first token, summed over the requests,
+        `streams x sum_r (n_r - 1) / sum_r (t_last,r - t_first,r)`: the batch over the
+        token-weighted mean time per output token. Time to first token is left out, and
+        so is a request whose tokens all came in one chunk (its decode time was not
+        seen).
+
+        Raises:
+            ValueError: every request's tokens came in one chunk.
+        """
+        timed = [r for r in self.requests if r.decode_s > 0]
+        if not timed:
+            raise ValueError("decode rate: every request's tokens came in one chunk; raise max_tokens")
+        return self.streams * sum(r.output_tokens - 1 for r in timed) / sum(r.decode_s for r in timed)
 
 
 async def _request(client: httpx.AsyncClient, path: str, body: dict[str, object]) -> RequestTiming:
@@ -83,8 +108,14 @@ async def _request(client: httpx.AsyncClient, path: str, body: dict[str, object]
     return RequestTiming(sent, tuple(token_times), usage["completion_tokens"], usage["prompt_tokens"])
 
 
-async def _stream(client: httpx.AsyncClient, path: str, body: dict[str, object], count: int) -> list[RequestTiming]:
-    return [await _request(client, path, body) for _ in range(count)]
+async def _stream(
+    client: httpx.AsyncClient, path: str, body: dict[str, object], count: int, until_s: float
+) -> list[RequestTiming]:
+    """At least `count` requests, one after another, and more until `perf_counter() >= until_s`."""
+    timings: list[RequestTiming] = []
+    while len(timings) < count or time.perf_counter() < until_s:
+        timings.append(await _request(client, path, body))
+    return timings
 
 
 async def run_load(
@@ -93,10 +124,13 @@ async def run_load(
     bodies: Sequence[dict[str, object]],
     requests_per_stream: int,
     timeout_s: float,
+    min_round_s: float = 0.0,
 ) -> LoadResult:
     """Send from one stream per entry of `bodies` (the concurrency), each stream its own
-    body `requests_per_stream` times one after another, to `base_url + path`, and time
-    every request.
+    body one request after another, to `base_url + path`, and time every request. A
+    stream sends `requests_per_stream` requests, and goes on sending until
+    `min_round_s` seconds have passed since the round started; the round then ends
+    when every stream's last request has finished (so `wall_s >= min_round_s`).
 
     Each body is an OpenAI completions request; streaming, token ids and usage are
     switched on here.
@@ -108,6 +142,9 @@ async def run_load(
     limits = httpx.Limits(max_connections=len(bodies))
     async with httpx.AsyncClient(base_url=base_url, timeout=timeout_s, limits=limits) as client:
         start = time.perf_counter()
-        streams = await asyncio.gather(*(_stream(client, path, body | extra, requests_per_stream) for body in bodies))
+        until = start + min_round_s
+        streams = await asyncio.gather(
+            *(_stream(client, path, body | extra, requests_per_stream, until) for body in bodies)
+        )
         wall = time.perf_counter() - start
-    return LoadResult(wall, [timing for stream in streams for timing in stream])
+    return LoadResult(wall, [timing for stream in streams for timing in stream], len(bodies))

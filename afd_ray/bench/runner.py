@@ -1,10 +1,15 @@
 """Deploy each topology in turn, drive the load through Serve's HTTP proxy, collect.
 
-Per (family, topology): `serve.run` the application under its own route prefix, send
-one unmeasured warm-up round (one request per stream), read `/afd/status` once the
-FFN counters have settled, run the measured load, read the settled counters again,
-and delete the application. The FFN figures are the deltas of the two reads, so the
-engines' start-up and warm-up forwards are not counted.
+Per family, `config.repeats` times, each topology in counterbalanced order (listed
+order on even repeats, reversed on odd ones: plain, 1A1F, 1A1F, plain, ...): `serve.run`
+the application under its own route prefix; per batch, send one unmeasured warm-up
+round (one request per stream), read `/afd/status` once the FFN counters have
+settled, run the measured load (at least `config.min_round_s` long), read the settled
+counters again; then delete the application. The FFN figures are the deltas of the
+two reads, so the engines' start-up and warm-up forwards are not counted. Every
+repeat is a fresh deployment (the spread over repeats then includes what changes from
+one start of the engines to the next), unless `config.redeploy` is off: then a layout
+that runs twice in a row (at an ABBA turn) keeps its deployment for both repeats.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import vllm
 from ray import serve
 from tqdm import tqdm
 
+from afd_ray.bench.compare import compare
 from afd_ray.bench.config import BenchConfig, Topology
 from afd_ray.bench.load import LoadResult, run_load
 from afd_ray.bench.plain import build_plain_app
@@ -56,7 +62,7 @@ from afd_ray.models.shapes import SHAPES, build_shape
 from afd_ray.models.tiny import build_tiny
 from afd_ray.serve.app import build_app
 
-__all__ = ["app_name", "machine", "run_benchmark"]
+__all__ = ["app_name", "deployments", "machine", "run_benchmark"]
 
 SERVED_NAME = "tiny"
 _SETTLE_POLL_S = 0.5
@@ -238,8 +244,11 @@ def _prompts(cfg: BenchConfig, checkpoint: Path, streams: int) -> list[str | lis
     ]
 
 
-def _run_one(cfg: BenchConfig, family: str, checkpoint: Path, topology: Topology, base_url: str) -> list[RunResult]:
-    """Deploy `topology`, measure one load per `cfg.concurrency` value, delete it."""
+def _run_one(
+    cfg: BenchConfig, family: str, checkpoint: Path, topology: Topology, base_url: str, repeats: list[int]
+) -> list[RunResult]:
+    """Deploy `topology`; for each of `repeats`, measure one load per `cfg.concurrency`
+    value; delete it."""
     app_cfg = _app_config(cfg, family, checkpoint, topology)
     name = app_name(family, topology)
     route = f"/{name}"
@@ -247,26 +256,25 @@ def _run_one(cfg: BenchConfig, family: str, checkpoint: Path, topology: Topology
     prompts = _prompts(cfg, checkpoint, max(cfg.concurrency))
     body = {"model": SERVED_NAME, "max_tokens": cfg.max_tokens, "temperature": 0, "ignore_eos": True}
 
-    def load(concurrency: int, requests_per_stream: int) -> LoadResult:
+    def load(concurrency: int, requests_per_stream: int, min_round_s: float) -> LoadResult:
         bodies = [body | {"prompt": prompt} for prompt in prompts[:concurrency]]
-        return asyncio.run(
-            run_load(base_url, f"{route}/v1/completions", bodies, requests_per_stream, cfg.request_timeout_s)
-        )
+        path = f"{route}/v1/completions"
+        return asyncio.run(run_load(base_url, path, bodies, requests_per_stream, cfg.request_timeout_s, min_round_s))
 
     start = time.perf_counter()
     serve.run(app, name=name, route_prefix=route)
     deploy_s = time.perf_counter() - start
-    measured: list[tuple[int, LoadResult, AFDStatus, AFDStatus, tuple[float, float]]] = []
+    measured: list[tuple[int, int, LoadResult, AFDStatus, AFDStatus, tuple[float, float]]] = []
     try:
         with httpx.Client(base_url=base_url, timeout=cfg.request_timeout_s) as http:
-            for concurrency in cfg.concurrency:
-                load(concurrency, 1)  # warm-up (and prefix cache fill), not measured
+            for repeat, concurrency in ((r, c) for r in repeats for c in cfg.concurrency):
+                load(concurrency, 1, 0.0)  # warm-up (and prefix cache fill), not measured
                 before = _settled_status(http, route)
                 load_before = os.getloadavg()[0]
-                result = load(concurrency, cfg.requests_per_stream)
+                result = load(concurrency, cfg.requests_per_stream, cfg.min_round_s)
                 load_after = os.getloadavg()[0]
                 after = _settled_status(http, route)
-                measured.append((concurrency, result, before, after, (load_before, load_after)))
+                measured.append((repeat, concurrency, result, before, after, (load_before, load_after)))
     finally:
         serve.delete(name)
 
@@ -274,7 +282,7 @@ def _run_one(cfg: BenchConfig, family: str, checkpoint: Path, topology: Topology
     layers, hidden = model_config["num_hidden_layers"], model_config["hidden_size"]
     elem = getattr(torch, app_cfg.model.dtype).itemsize
     runs = []
-    for concurrency, result, before, after, load_average in measured:
+    for repeat, concurrency, result, before, after, load_average in measured:
         ffn = [_ffn_rank(b, a, result.wall_s, layers, hidden, elem) for b, a in zip(before.ffn, after.ffn, strict=True)]
         requests = result.requests
         output_tokens = sum(r.output_tokens for r in requests)
@@ -284,6 +292,8 @@ def _run_one(cfg: BenchConfig, family: str, checkpoint: Path, topology: Topology
                 topology=topology,
                 label=topology.label,
                 concurrency=concurrency,
+                repeat=repeat,
+                layers=layers,
                 threads=app_cfg.attention.num_threads * topology.attention + app_cfg.ffn.num_threads * topology.ffn,
                 deploy_s=deploy_s,
                 requests=len(requests),
@@ -291,6 +301,7 @@ def _run_one(cfg: BenchConfig, family: str, checkpoint: Path, topology: Topology
                 prompt_tokens=requests[0].prompt_tokens,
                 wall_s=result.wall_s,
                 output_tokens_per_s=output_tokens / result.wall_s,
+                decode_tokens_per_s=result.decode_tokens_per_s,
                 ttft=Latency.of([r.ttft_s for r in requests]),
                 tpot=Latency.of([r.tpot_s for r in requests]),
                 itl=Latency.of([gap for r in requests for gap in r.itl_s]),
@@ -314,8 +325,26 @@ def _run_one(cfg: BenchConfig, family: str, checkpoint: Path, topology: Topology
     return runs
 
 
-def run_benchmark(cfg: BenchConfig, base_url: str, progress: Callable[[str], None] = print) -> BenchResult:
-    """Measure every (family, topology) of `cfg` on the Serve instance at `base_url`.
+def deployments(cfg: BenchConfig) -> list[tuple[Topology, list[int]]]:
+    """The deployments of one family, in order: (layout, the repeats it measures).
+    Layouts run as listed on even repeats and reversed on odd ones (ABBA); without
+    `cfg.redeploy`, a layout that runs twice in a row is one deployment."""
+    out: list[tuple[Topology, list[int]]] = []
+    for repeat in range(cfg.repeats):
+        for topology in cfg.topologies if repeat % 2 == 0 else cfg.topologies[::-1]:
+            if not cfg.redeploy and out and out[-1][0] == topology:
+                out[-1][1].append(repeat)
+            else:
+                out.append((topology, [repeat]))
+    return out
+
+
+def run_benchmark(
+    cfg: BenchConfig, base_url: str, progress: Callable[[str], None] = print, commit: str | None = None
+) -> BenchResult:
+    """Measure every (family, topology) of `cfg`, `cfg.repeats` times in
+    counterbalanced order, on the Serve instance at `base_url`; `commit` is recorded
+    (`BenchResult.commit`).
 
     Needs a Ray connection (`ray.init`) to a cluster whose Serve HTTP proxy answers at
     `base_url`, with room for the largest topology's bundles
@@ -332,24 +361,27 @@ def run_benchmark(cfg: BenchConfig, base_url: str, progress: Callable[[str], Non
         progress("afd_ray.bench: transport round trips ...")
         transport = TransportResult.model_validate(run_transport_microbench())
     runs = []
-    cases = len(cfg.families) * len(cfg.topologies)
-    # A bar on a terminal only (tqdm's disable=None), and only for more than one layout.
+    cases = len(cfg.families) * len(deployments(cfg))
+    # A bar on a terminal only (tqdm's disable=None), and only for more than one deployment.
     with tqdm(total=cases, unit="layout", desc="afd_ray.bench", disable=None if cases > 1 else True) as bar:
         for family in cfg.families:
             checkpoint = _checkpoint(cfg, family)
-            for topology in cfg.topologies:
-                progress(f"afd_ray.bench: {family} {topology.label} ...")
-                for run in _run_one(cfg, family, checkpoint, topology, base_url):
+            for topology, repeats in deployments(cfg):
+                progress(f"afd_ray.bench: {family} {topology.label} repeats {repeats} of {cfg.repeats} ...")
+                for run in _run_one(cfg, family, checkpoint, topology, base_url, repeats):
                     progress(
-                        f"afd_ray.bench: {family} {topology.label} batch {run.concurrency}: "
-                        f"{run.output_tokens_per_s:.1f} output tok/s, TPOT {run.tpot.mean_ms:.2f} ms"
+                        f"afd_ray.bench: {family} {topology.label} repeat {run.repeat} batch {run.concurrency}: "
+                        f"{run.output_tokens_per_s:.1f} output tok/s, {run.decode_tokens_per_s:.1f} decode "
+                        f"tok/s, TPOT p50 {run.tpot.p50_ms:.2f} ms, {run.wall_s:.1f} s"
                     )
                     runs.append(run)
                 bar.update(1)
     return BenchResult(
         created=datetime.now(UTC).isoformat(timespec="seconds"),
+        commit=commit,
         machine=machine(),
         config=cfg,
         runs=runs,
+        same_batch=compare(runs),
         transport=transport,
     )

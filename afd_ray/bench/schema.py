@@ -19,15 +19,20 @@ __all__ = [
     "BenchResult",
     "FFNRankResult",
     "Latency",
+    "Figures",
     "Machine",
     "RunResult",
+    "SameBatch",
+    "Stat",
     "StepSplitResult",
     "TransportResult",
 ]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """Bumped whenever a field changes meaning or is removed (2: `config.concurrency` is
-a tuple, one run per value, `RunResult.concurrency`; `Machine.gpu`)."""
+a tuple, one run per value, `RunResult.concurrency`; `Machine.gpu`. 3: `config.repeats`,
+one run per layout, batch and repeat, `RunResult.repeat`; `RunResult.decode_tokens_per_s`;
+`BenchResult.commit` and `same_batch`)."""
 
 
 class _Record(BaseModel):
@@ -136,6 +141,11 @@ class RunResult(_Record):
     the default whole decode steps)."""
     concurrency: int
     """Concurrent request streams of this load (one value of `config.concurrency`)."""
+    repeat: int = 0
+    """Which deployment of the layout measured it, from 0 to `config.repeats - 1`."""
+    layers: int | None = None
+    """Decoder layers of the checkpoint: A2F/F2A exchanges per AFD step. None in
+    results written before it was recorded."""
     threads: int
     """Torch threads of all pool members together (engines + FFN ranks)."""
     deploy_s: float
@@ -146,9 +156,16 @@ class RunResult(_Record):
     prompt_tokens: int
     """Prompt tokens of one request."""
     wall_s: float
-    """First request sent until the last one finished, seconds."""
+    """First request sent until the last one finished, seconds (at least `config.min_round_s`)."""
     output_tokens_per_s: float
-    """`output_tokens / wall_s`."""
+    """`output_tokens / wall_s`: time to first token included."""
+    decode_tokens_per_s: float | None = None
+    """Decode rate, tokens/s: the batch times the tokens after the first over the time
+    after the first token, summed over the requests,
+    `concurrency x sum_r (n_r - 1) / sum_r (t_last,r - t_first,r)`
+    (`afd_ray.bench.load.LoadResult.decode_tokens_per_s`; requests delivered in one
+    chunk left out): the batch over the token-weighted mean TPOT. None in results
+    written before it was recorded (schema 2)."""
     ttft: Latency
     """Time to first token of each request."""
     tpot: Latency
@@ -171,6 +188,55 @@ class RunResult(_Record):
     """SLO-goodput and cost per 1M output tokens, for the config's SLOs and price;
     None in results written before it was recorded (e.g. benchmarks/results/ of
     2026-12-01), which still load."""
+
+
+class Stat(_Record):
+    """Median and range of one figure over the repeats."""
+
+    median: float
+    """`statistics.median` (the mean of the middle two for an even count)."""
+    min: float
+    max: float
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Stat:
+        """Summarize `values` (at least one)."""
+        return cls(median=statistics.median(values), min=min(values), max=max(values))
+
+
+class Figures(_Record):
+    """The figures compared batch against batch, each over the repeats: of one side,
+    or the AFD/plain ratio of each repeat's pair (then every field is a ratio)."""
+
+    output_tok_s: Stat
+    """`RunResult.output_tokens_per_s` (time to first token included)."""
+    decode_tok_s: Stat
+    """`RunResult.decode_tokens_per_s`."""
+    tpot_p50_ms: Stat
+    """`RunResult.tpot.p50_ms`."""
+    tpot_p90_ms: Stat
+    """`RunResult.tpot.p90_ms`."""
+    ttft_p50_ms: Stat
+    """`RunResult.ttft.p50_ms`."""
+
+
+class SameBatch(_Record):
+    """One AFD layout against plain vLLM at one batch, same batch against same batch
+    (`afd_ray.bench.compare`)."""
+
+    family: str
+    layout: str
+    """The AFD layout's `Topology.label`."""
+    batch: int
+    """Concurrent streams (`RunResult.concurrency`) of both sides."""
+    repeats: int
+    """Pairs compared: repeat k of the AFD layout with repeat k of plain."""
+    plain: Figures
+    afd: Figures
+    ratio: Figures
+    """AFD / plain of each pair, then median and range over the pairs (the median of
+    the paired ratios, not the ratio of the medians: a pair ran back to back, so a
+    drift of the machine between repeats cancels within it)."""
 
 
 class TransportResult(_Record):
@@ -203,8 +269,14 @@ class BenchResult(_Record):
     schema_version: int = SCHEMA_VERSION
     created: str
     """UTC time the run finished, ISO 8601."""
+    commit: str | None = None
+    """Git commit of the code that ran (`--commit`, else `git rev-parse HEAD` with
+    `-dirty` for uncommitted changes to tracked files); None where neither was known."""
     machine: Machine
     config: BenchConfig
     runs: list[RunResult]
+    """One per family, layout, repeat and batch, in the order measured."""
+    same_batch: list[SameBatch] = []
+    """Every AFD layout against plain vLLM, per family and batch; empty without plain runs."""
     transport: TransportResult | None = None
     """Round trip per layer of each CPU transport, measured before the runs."""

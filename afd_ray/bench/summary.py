@@ -1,212 +1,325 @@
-"""`python -m afd_ray.bench.summary`: the product-path results file of one GPU run
+"""`python -m afd_ray.bench.summary`: the results file of one GPU run
 (`benchmarks/results/<gpu>-<date>-product.json`) from the files its parts wrote.
 
-Inputs, each written on the device by `benchmarks/h200/product.sh` / `micro.sh`:
-- `--serve-logs`: logs of `tests/gpu/test_serve_one_gpu.py` (its `SERVE_ONE_GPU {...}`
-  lines: one record per family and graph mode);
-- `--bench`: `python -m afd_ray.bench` result JSONs (`afd_ray.bench.schema.BenchResult`),
-  plain vLLM and AFD 1A:1F of one model shape (DeepSeek-V2-Lite's, the issue's keys),
-  one or more runs (a batch measured again in a later file takes that file's numbers);
-- `--fan-in`: the same, plain vs 2A:1F vs 2A:1F-dbo (`product.sh fanin`);
-- `--other-benches`: the same for other shapes (Qwen3-30B-A3B's), under `other_shapes`;
-- `--roundtrip`: `python -m afd_ray.bench.cuda_ipc` JSON (`roundtrip_us_graph`);
-- `--moe-layer`: `python -m afd_ray.bench.moe_layer` JSON.
+Every input comes from the same run, made from one commit (`--commit`, else `git
+rev-parse HEAD` of this checkout): a bench result or an equality record that names
+another commit is refused, and equality comes only from the logs given (product.sh
+passes its OUT folder's), never from earlier runs.
 
-Keys written (issue 13): `gpu`, `vllm_version`, `equal_tokens` (family -> bool: every
-mode run was equal: all tokens in float32, >= `BF16_MIN_EQUAL` of positions in
-bfloat16), `equal_tokens_by_mode`, `prompt_logprob_max_abs_diff`,
-`roundtrip_us_graph` ("1"/"16"/"128" -> µs), `moe_layer_over_floor` (DeepSeek-V2-Lite
-shape at T = 128), `afd_over_plain_tok_s` (best AFD batch over best plain batch, output
-tok/s) and `product` (batch -> tok/s and TPOT per side), plus `graphs` (whether the
-bench ran CUDA graphs) and `step_split` (batch -> the AFD 1A:1F run's FFN step split:
-`timed_steps`, `step_ms`, `attention_ms`, `wire_ms`, `ffn_ms`, `idle_ms` and the four
-`*_fraction`s, `afd_ray.bench.schema.StepSplitResult`; left out when the bench timed
-no step), `other_shapes` (shape -> the same keys from `--other-benches`), and `fan_in`
-(batch -> per layout output tok/s, TPOT and FFN step split, and `dbo_over_no_dbo`: the
-2A:1F-dbo layout's tok/s over 2A:1F's, DBO on over off). A missing input leaves its
-keys out.
+Inputs, each written on the device by `benchmarks/h200/product.sh` / `micro.sh`:
+- `--bench`: `python -m afd_ray.bench` result JSONs (`afd_ray.bench.schema.BenchResult`,
+  schema 3) with plain vLLM and AFD 1A:1F runs of one or more model shapes; several
+  files (one shape or batch per device call) pool their repeats;
+- `--fan-in`: the same with plain and other AFD layouts (2A:1F, 2A:1F-dbo);
+- `--serve-logs`: logs of `tests/gpu/test_serve_one_gpu.py` (its `SERVE_ONE_GPU {...}`
+  lines: one record per family and mode);
+- `--roundtrip`: `python -m afd_ray.bench.cuda_ipc` JSON (`roundtrip_us_graph`);
+- `--moe-layer`: `python -m afd_ray.bench.moe_layer` JSON;
+- `--ffn-vs-vllm`, `--plan-check`, `--plan-predictions`: JSON holding the key of that
+  name (or being its value), copied in after a type check (`_COPIED`).
+
+Keys written (issue 32), shapes named as `afd_ray.models.shapes.SHAPES`:
+- `commit`, `gpu`, `vllm_version`, `date` (the last bench's end), `graphs` (every
+  bench ran CUDA graphs);
+- `same_batch`: shape -> batch -> AFD 1A:1F against plain at that batch
+  (`same_batch_entry`: `tok_s_ratio`, `decode_tok_s_ratio`, `tpot_p50_ratio`,
+  `tpot_p90_ratio`, `ttft_p50_ratio`, each the median over the repeats of AFD/plain of
+  one repeat's pair; `repeats`; `spread`: ratio -> [min, max]; `plain`, `afd`: figure ->
+  median, min, max), from `afd_ray.bench.compare`;
+- `step_split`: shape -> batch -> the 1A:1F FFN rank's step split (medians over the
+  repeats: `step_ms`, `attention_ms`, `wire_ms`, `ffn_ms`, `idle_ms`, `idle_fraction`,
+  `wire_us_per_layer` = `wire_ms` x 1000 / decoder layers); `idle_fraction` and
+  `wire_us_per_layer`: shape -> batch -> that value;
+- `fan_in`: shape -> layout -> batch -> the same as `same_batch`, plus `step_split`;
+- `equal_tokens_run`: family -> mode -> `{equal, equal_positions, positions, dtype,
+  prompt_logprob_max_abs_diff, logs}`;
+- `roundtrip_us_graph` (T -> µs); `moe_layer_over_floor`: shape -> T -> the fused MoE
+  layer's time over its weight-read floor; `ffn_moe_over_vllm_moe` (shape -> T ->
+  float), `plan_check` (layout -> `{predicted_tpot_ms, measured_tpot_ms, rel_err}`),
+  `plan_predictions` (layout -> `{gpus, tok_s_per_gpu, tpot_ms, plain_tok_s_per_gpu}`).
+
+A missing input leaves its keys out.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
+from collections.abc import Sequence
 from pathlib import Path
 
-from afd_ray.bench.schema import BenchResult
+from pydantic import BaseModel, ConfigDict, TypeAdapter
 
-__all__ = ["BF16_MIN_EQUAL", "equality", "fan_in", "main", "product", "summarize"]
+from afd_ray.bench.commit import git_commit
+from afd_ray.bench.compare import compare
+from afd_ray.bench.schema import BenchResult, SameBatch, Stat
+
+__all__ = ["BF16_MIN_EQUAL", "PRODUCT_LAYOUT", "equality", "main", "same_batch_entry", "step_split", "summarize"]
 
 BF16_MIN_EQUAL = 0.95
 """Share of equal greedy positions that counts as equal in bfloat16 (the GPU test's bound)."""
+PRODUCT_LAYOUT = "1A1F"
+"""The AFD layout of `same_batch`: one attention rank and one FFN rank on one GPU."""
 _RECORD = "SERVE_ONE_GPU "
-_MOE_SHAPE, _MOE_TOKENS = "deepseek_v2_lite", "128"
+_DIGITS = 4
+_RATIOS = {
+    "tok_s_ratio": "output_tok_s",
+    "decode_tok_s_ratio": "decode_tok_s",
+    "tpot_p50_ratio": "tpot_p50_ms",
+    "tpot_p90_ratio": "tpot_p90_ms",
+    "ttft_p50_ratio": "ttft_p50_ms",
+}
+"""Key of each AFD/plain ratio in `same_batch` -> the `Figures` field it is of."""
 
 
-def equality(logs: list[Path]) -> dict[str, object]:
-    """`equal_tokens`, `equal_tokens_by_mode` and `prompt_logprob_max_abs_diff` from the
-    `SERVE_ONE_GPU` records of the GPU test's logs (a later record of the same family
-    and mode replaces an earlier one).
-
-    Modes are the test's: `eager`, `graphs` (piecewise), `full` (whole-step decode
-    graphs), with `-2A1F-dbo` appended for its 2A:1F case; records written before the
-    test named its mode count as `eager` or `graphs`. Each mode's entry names the `log`
-    it came from (its file name carries the run's date)."""
-    records: dict[tuple[str, str], tuple[dict[str, object], str]] = {}
-    for log in logs:
-        for line in log.read_text(errors="replace").splitlines():
-            if line.startswith(_RECORD):
-                record = json.loads(line[len(_RECORD) :])
-                mode = record.get("mode") or ("eager" if record["eager"] else "graphs")
-                mode += "-2A1F-dbo" if record.get("dbo") else ""
-                records[(record["family"], mode)] = (record, log.name)
-    by_mode: dict[str, dict[str, dict[str, object]]] = {}
-    for (family, mode), (record, log) in sorted(records.items()):
-        share = record["equal_positions"] / record["positions"]
-        equal = record["all_equal"] if record["dtype"] == "float32" else share >= BF16_MIN_EQUAL
-        by_mode.setdefault(family, {})[mode] = {
-            "equal": equal,
-            "equal_positions": record["equal_positions"],
-            "positions": record["positions"],
-            "prompt_logprob_max_abs_diff": record["prompt_logprob_max_abs_diff"],
-            "dtype": record["dtype"],
-            "log": log,
-        }
-    return {
-        "equal_tokens": {family: all(m["equal"] for m in modes.values()) for family, modes in by_mode.items()},
-        "equal_tokens_by_mode": by_mode,
-        "prompt_logprob_max_abs_diff": {
-            family: {mode: m["prompt_logprob_max_abs_diff"] for mode, m in modes.items()}
-            for family, modes in by_mode.items()
-        },
-    }
+class _PlanCheck(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    predicted_tpot_ms: float
+    measured_tpot_ms: float
+    rel_err: float
 
 
-_ByBatchAndLabel = dict[str, dict[str, dict[str, float]]]
-"""batch (concurrency, as a string) -> run label -> named values."""
+class _PlanPrediction(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    gpus: int
+    tok_s_per_gpu: float
+    tpot_ms: float
+    plain_tok_s_per_gpu: float
 
 
-def _sides(results: list[BenchResult], labels: tuple[str, ...]) -> tuple[_ByBatchAndLabel, _ByBatchAndLabel]:
-    """Per batch (concurrency) and label in `labels`: output tok/s and TPOT p50, and the
-    AFD runs' FFN step split (rounded to 4 digits); later results replace earlier ones."""
-    table: _ByBatchAndLabel = {}
-    split: _ByBatchAndLabel = {}
+_COPIED: dict[str, TypeAdapter] = {
+    "ffn_moe_over_vllm_moe": TypeAdapter(dict[str, dict[str, float]]),
+    "plan_check": TypeAdapter(dict[str, _PlanCheck]),
+    "plan_predictions": TypeAdapter(dict[str, _PlanPrediction]),
+}
+"""Keys copied from `--ffn-vs-vllm`, `--plan-check`, `--plan-predictions`, and their types."""
+
+
+def _round(value: float) -> float:
+    return round(value, _DIGITS)
+
+
+def _stat(stat: Stat) -> dict[str, float]:
+    return {"median": _round(stat.median), "min": _round(stat.min), "max": _round(stat.max)}
+
+
+def same_batch_entry(c: SameBatch) -> dict[str, object]:
+    """One batch of `same_batch` (module docstring), values rounded to 4 decimals."""
+    ratios = {key: getattr(c.ratio, name) for key, name in _RATIOS.items()}
+    return (
+        {key: _round(stat.median) for key, stat in ratios.items()}
+        | {"repeats": c.repeats, "spread": {key: [_round(s.min), _round(s.max)] for key, s in ratios.items()}}
+        | {side: {name: _stat(s) for name, s in getattr(c, side)} for side in ("plain", "afd")}
+    )
+
+
+def step_split(results: Sequence[BenchResult], layout: str) -> dict[str, dict[str, dict[str, float]]]:
+    """Shape -> batch -> the step split of `layout`'s first FFN rank, medians over the
+    runs that timed a step (module docstring); runs without a split are left out.
+
+    Raises:
+        ValueError: a run with a split does not record its decoder layers (schema 2).
+    """
+    splits: dict[tuple[str, str], list[dict[str, float]]] = {}
     for result in results:
         for run in result.runs:
-            if run.label not in labels:
+            if run.label != layout or not run.ffn or run.ffn[0].split is None:
                 continue
-            batch = str(run.concurrency)
-            table.setdefault(batch, {})[run.label] = {
-                "output_tok_s": round(run.output_tokens_per_s, 1),
-                "tpot_p50_ms": round(run.tpot.p50_ms, 2),
-            }
-            if run.ffn and run.ffn[0].split is not None:
-                split.setdefault(batch, {})[run.label] = {
-                    k: round(v, 4) for k, v in run.ffn[0].split.model_dump().items()
+            if run.layers is None:
+                raise ValueError(f"runs[]: {run.family} {run.label} records no decoder layers (schema 2); rerun")
+            s = run.ffn[0].split
+            splits.setdefault((run.family, str(run.concurrency)), []).append(
+                {
+                    "step_ms": s.step_ms,
+                    "attention_ms": s.attention_ms,
+                    "wire_ms": s.wire_ms,
+                    "ffn_ms": s.ffn_ms,
+                    "idle_ms": s.idle_ms,
+                    "idle_fraction": s.idle_fraction,
+                    "wire_us_per_layer": s.wire_ms * 1e3 / run.layers,
                 }
-    return table, split
-
-
-def product(results: list[BenchResult]) -> dict[str, object]:
-    """Per batch (concurrency) and side (`plain`, `1A1F`): output tok/s and TPOT p50;
-    `afd_over_plain_tok_s`: the best AFD 1A:1F batch's tok/s over the best plain batch's;
-    `step_split`: per batch, the 1A:1F run's FFN step split (rounded to 4 digits).
-
-    Raises:
-        ValueError: the results have no plain or no 1A:1F run.
-    """
-    table, split = _sides(results, ("plain", "1A1F"))
-    best: dict[str, float] = {}
-    for sides in table.values():
-        for label, side in sides.items():
-            best[label] = max(best.get(label, 0.0), side["output_tok_s"])
-    if set(best) != {"plain", "1A1F"}:
-        raise ValueError(f"--bench: needs plain and 1A1F runs, has {sorted(best)}")
-    step_split = {batch: by_label["1A1F"] for batch, by_label in split.items()}
-    return {
-        "families": sorted({run.family for result in results for run in result.runs}),
-        "graphs": all(not result.config.enforce_eager for result in results),
-        "product": table,
-        "afd_over_plain_tok_s": round(best["1A1F"] / best["plain"], 3),
-    } | ({"step_split": step_split} if step_split else {})
-
-
-def fan_in(result: BenchResult) -> dict[str, dict[str, object]]:
-    """Per batch: output tok/s and TPOT p50 of `plain`, `2A1F` and `2A1F-dbo`, the two
-    AFD layouts' FFN step split, and `dbo_over_no_dbo` (2A1F-dbo tok/s over 2A1F's).
-
-    Raises:
-        ValueError: a batch lacks the 2A1F or the 2A1F-dbo run.
-    """
-    table, split = _sides([result], ("plain", "2A1F", "2A1F-dbo"))
-    out: dict[str, dict[str, object]] = {}
-    for batch, sides in table.items():
-        if not {"2A1F", "2A1F-dbo"} <= set(sides):
-            raise ValueError(f"--fan-in: batch {batch} needs 2A1F and 2A1F-dbo runs, has {sorted(sides)}")
-        ratio = sides["2A1F-dbo"]["output_tok_s"] / sides["2A1F"]["output_tok_s"]
-        out[batch] = sides | {"step_split": split.get(batch, {}), "dbo_over_no_dbo": round(ratio, 3)}
+            )
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for (family, batch), values in sorted(splits.items(), key=lambda item: (item[0][0], int(item[0][1]))):
+        out.setdefault(family, {})[batch] = {k: _round(statistics.median(v[k] for v in values)) for k in values[0]}
     return out
 
 
-def summarize(
-    serve_logs: list[Path],
-    benches: list[Path],
-    roundtrip: Path | None,
-    moe_layer: Path | None,
-    other_benches: list[Path] | None = None,
-    fan_in_bench: Path | None = None,
-) -> dict[str, object]:
-    """The results object of one GPU run (module docstring); inputs left None or empty
-    are skipped.
+def equality(logs: Sequence[Path], commit: str) -> dict[str, dict[str, dict[str, object]]]:
+    """`equal_tokens_run` from the `SERVE_ONE_GPU` records of this run's logs: family ->
+    mode -> entry. Modes are the test's (`eager`, `graphs`: piecewise, `full`: whole-step
+    decode graphs; a record written before the test named its mode counts as `eager` or
+    `graphs`), with `-2A1F-dbo` appended for its 2A:1F case. A record is equal when
+    all its tokens are (float32) or at least `BF16_MIN_EQUAL` of its positions
+    (bfloat16); a family and mode recorded more than once (two parts ran it) sums the
+    positions, and is equal only if every record is.
 
     Raises:
-        ValueError: the benches have no plain or no 1A:1F run, an other bench holds
-            more than one shape, or the fan-in bench lacks a layout.
+        ValueError: a record names a commit other than `commit`.
     """
-    out: dict[str, object] = {}
-    results = [BenchResult.model_validate_json(path.read_text()) for path in benches]
+    out: dict[str, dict[str, dict[str, object]]] = {}
+    for log in logs:
+        for line in log.read_text(errors="replace").splitlines():
+            if not line.startswith(_RECORD):
+                continue
+            record = json.loads(line[len(_RECORD) :])
+            if record.get("commit", commit) != commit:
+                raise ValueError(f"--serve-logs: {log} has a record of commit {record['commit']}, not {commit}")
+            mode = record.get("mode") or ("eager" if record["eager"] else "graphs")  # older records: no mode
+            mode += "-2A1F-dbo" if record.get("dbo") else ""
+            share = record["equal_positions"] / record["positions"]
+            equal = record["all_equal"] if record["dtype"] == "float32" else share >= BF16_MIN_EQUAL
+            entry = out.setdefault(record["family"], {}).setdefault(
+                mode,
+                {"equal": True, "equal_positions": 0, "positions": 0, "dtype": record["dtype"]}
+                | {"prompt_logprob_max_abs_diff": 0.0, "logs": []},
+            )
+            entry["equal"] = entry["equal"] and equal
+            entry["equal_positions"] += record["equal_positions"]
+            entry["positions"] += record["positions"]
+            entry["prompt_logprob_max_abs_diff"] = max(
+                entry["prompt_logprob_max_abs_diff"], record["prompt_logprob_max_abs_diff"]
+            )
+            entry["logs"] = sorted({*entry["logs"], log.name})
+    return {family: dict(sorted(modes.items())) for family, modes in sorted(out.items())}
+
+
+def _benches(paths: Sequence[Path], commit: str, flag: str) -> list[BenchResult]:
+    """The bench results at `paths`.
+
+    Raises:
+        ValueError: a result records another commit, or none.
+    """
+    results = []
+    for path in paths:
+        result = BenchResult.model_validate_json(path.read_text())
+        if result.commit != commit:
+            raise ValueError(f"{flag}: {path} was run from commit {result.commit}, not {commit}")
+        results.append(result)
+    return results
+
+
+def _copied(path: Path, key: str) -> object:
+    """The value of `key` in the JSON at `path` (or the whole JSON, if it lacks the
+    key), checked against `_COPIED[key]` and dumped back to JSON types."""
+    data = json.loads(path.read_text())
+    value = data[key] if isinstance(data, dict) and key in data else data
+    adapter = _COPIED[key]
+    return adapter.dump_python(adapter.validate_python(value), mode="json")
+
+
+def summarize(
+    commit: str,
+    benches: Sequence[Path] = (),
+    fan_in: Sequence[Path] = (),
+    serve_logs: Sequence[Path] = (),
+    roundtrip: Path | None = None,
+    moe_layer: Path | None = None,
+    copied: dict[str, Path] | None = None,
+) -> dict[str, object]:
+    """The results object of one GPU run made from `commit` (module docstring);
+    `copied` maps keys of `_COPIED` to their files. Empty inputs are skipped.
+
+    Raises:
+        ValueError: an input names another commit; the benches hold no plain and 1A:1F
+            pair, or runs of several GPUs; a 1A:1F run lacks its plain pair, or a run
+            its decode rate (`afd_ray.bench.compare.compare`); a copied file has the
+            wrong type (pydantic's `ValidationError`, a `ValueError`).
+    """
+    out: dict[str, object] = {"commit": commit}
+    results = _benches(benches, commit, "--bench")
+    fan_in_results = _benches(fan_in, commit, "--fan-in")
+    every = results + fan_in_results
+    if every:
+        gpus = {result.machine.gpu for result in every}
+        if len(gpus) != 1:
+            raise ValueError(f"--bench/--fan-in: results of several GPUs {sorted(map(str, gpus))}; one run, one GPU")
+        out |= {
+            "gpu": every[-1].machine.gpu,
+            "vllm_version": every[-1].machine.vllm,
+            "date": max(result.created for result in every),
+            "graphs": all(not result.config.enforce_eager for result in every),
+        }
     if results:
-        last = results[-1]
-        out |= {"gpu": last.machine.gpu, "vllm_version": last.machine.vllm, "date": last.created}
+        same: dict[str, dict[str, object]] = {}
+        for c in compare(*(result.runs for result in results)):
+            if c.layout == PRODUCT_LAYOUT:
+                same.setdefault(c.family, {})[str(c.batch)] = same_batch_entry(c)
+        if not same:
+            raise ValueError(f"--bench: needs plain and {PRODUCT_LAYOUT} runs of the same batches and repeats")
+        split = step_split(results, PRODUCT_LAYOUT)
+        out["same_batch"] = same
+        out |= {
+            "step_split": split,
+            "idle_fraction": {f: {b: s["idle_fraction"] for b, s in by.items()} for f, by in split.items()},
+            "wire_us_per_layer": {f: {b: s["wire_us_per_layer"] for b, s in by.items()} for f, by in split.items()},
+        }
+    if fan_in_results:
+        table: dict[str, dict[str, dict[str, object]]] = {}
+        for c in compare(*(result.runs for result in fan_in_results)):
+            split = step_split(fan_in_results, c.layout).get(c.family, {}).get(str(c.batch))
+            entry = same_batch_entry(c) | ({"step_split": split} if split else {})
+            table.setdefault(c.family, {}).setdefault(c.layout, {})[str(c.batch)] = entry
+        out["fan_in"] = table
     if serve_logs:
-        out |= equality(serve_logs)
+        out["equal_tokens_run"] = equality(serve_logs, commit)
     if roundtrip is not None:
         out["roundtrip_us_graph"] = json.loads(roundtrip.read_text())["roundtrip_us_graph"]
     if moe_layer is not None:
         layer = json.loads(moe_layer.read_text())
-        out["moe_layer_over_floor"] = layer[_MOE_SHAPE]["tokens"][_MOE_TOKENS]["fused_over_floor"]
+        shapes = {key: value for key, value in layer.items() if isinstance(value, dict) and "tokens" in value}
+        out["moe_layer_over_floor"] = {
+            name.replace("_", "-"): {t: _round(r["fused_over_floor"]) for t, r in shape["tokens"].items()}
+            for name, shape in shapes.items()
+        }
         out.setdefault("gpu", layer["gpu"])
         out.setdefault("vllm_version", layer["vllm_version"])
-    if results:
-        out |= product(results)
-    if fan_in_bench is not None:
-        out["fan_in"] = fan_in(BenchResult.model_validate_json(fan_in_bench.read_text()))
-    others: dict[str, dict[str, object]] = {}
-    for path in other_benches or []:
-        shape = product([BenchResult.model_validate_json(path.read_text())])
-        families = shape["families"]
-        if len(families) != 1:
-            raise ValueError(f"--other-benches: {path} holds shapes {families}; give one file per shape")
-        others[families[0]] = shape
-    return out | ({"other_shapes": others} if others else {})
+    for key, path in (copied or {}).items():
+        out[key] = _copied(path, key)
+    return out
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: Sequence[str] | None = None) -> int:
+    """Write `--out`; print the same-batch ratios and the unequal modes. Returns 0;
+    bad inputs exit with status 2 and the reason."""
     parser = argparse.ArgumentParser(prog="python -m afd_ray.bench.summary", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--commit", help="git commit of the run (default: git rev-parse HEAD of this checkout)")
+    parser.add_argument("--bench", type=Path, nargs="*", default=[], help="bench JSONs with plain and 1A1F runs")
+    parser.add_argument("--fan-in", type=Path, nargs="*", default=[], help="bench JSONs: plain and other layouts")
     parser.add_argument("--serve-logs", type=Path, nargs="*", default=[], help="tests/gpu/test_serve_one_gpu.py logs")
-    parser.add_argument(
-        "--bench", type=Path, nargs="*", default=[], help="python -m afd_ray.bench result JSONs (plain and 1A1F)"
-    )
-    parser.add_argument("--fan-in", type=Path, help="python -m afd_ray.bench result JSON (plain, 2A1F, 2A1F-dbo)")
     parser.add_argument("--roundtrip", type=Path, help="python -m afd_ray.bench.cuda_ipc JSON")
     parser.add_argument("--moe-layer", type=Path, help="python -m afd_ray.bench.moe_layer JSON")
-    parser.add_argument("--other-benches", type=Path, nargs="*", default=[], help="bench JSONs of other shapes")
+    for key in _COPIED:
+        flag = {"ffn_moe_over_vllm_moe": "--ffn-vs-vllm"}.get(key, f"--{key.replace('_', '-')}")
+        parser.add_argument(flag, dest=key, type=Path, help=f"JSON with `{key}` (copied in)")
     parser.add_argument("--out", type=Path, required=True, help="the results file to write")
     args = parser.parse_args(argv)
-    summary = summarize(args.serve_logs, args.bench, args.roundtrip, args.moe_layer, args.other_benches, args.fan_in)
+    commit = args.commit or git_commit()
+    if commit is None:
+        parser.error("--commit: this checkout has no git commit to read; give the commit of the run")
+    copied = {key: getattr(args, key) for key in _COPIED if getattr(args, key) is not None}
+    try:
+        summary = summarize(
+            commit, args.bench, args.fan_in, args.serve_logs, args.roundtrip, args.moe_layer, copied=copied
+        )
+    except ValueError as e:
+        parser.error(str(e))
     args.out.write_text(json.dumps(summary, indent=2) + "\n")
-    print(json.dumps({k: summary[k] for k in ("equal_tokens", "afd_over_plain_tok_s") if k in summary}))
+    ratios = {
+        f"{shape} {batch}": {k: entry[k] for k in ("tok_s_ratio", "decode_tok_s_ratio", "tpot_p50_ratio")}
+        for shape, by_batch in summary.get("same_batch", {}).items()
+        for batch, entry in by_batch.items()
+    }
+    unequal = [
+        f"{family} {mode}"
+        for family, modes in summary.get("equal_tokens_run", {}).items()
+        for mode, entry in modes.items()
+        if not entry["equal"]
+    ]
+    print(json.dumps({"commit": commit, "same_batch": ratios, "unequal_modes": unequal}))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

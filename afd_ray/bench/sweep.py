@@ -6,7 +6,9 @@
 Layouts are a list (`--topologies`, as in the bench) or ranges (`--attention` and
 `--ffn`, each `N`, `N-M` or `N,M,...`; every A × F pair, A outer). Every other flag is
 the bench's (`python -m afd_ray.bench --help`): the same load is sent to every layout
-(one `--concurrency` value).
+(one `--concurrency` value), each layout deployed once (`--repeats 1`: the sweep
+ranks layouts by SLO-goodput and cost; the plain-vs-AFD comparison with repeats is
+the bench's).
 It connects to Ray as the bench does: as a Ray job (`JobSubmissionClient.submit_job(
 entrypoint="python -m afd_ray.bench sweep ...")`) it joins the job's cluster and its
 Serve instance.
@@ -31,7 +33,9 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
-from afd_ray.bench.cli import SMOKE, build_parser, format_table, serve_endpoint, usage_message
+from afd_ray.bench.cli import RUN_FLAGS, SMOKE, build_parser, format_table, serve_endpoint, usage_message
+from afd_ray.bench.commit import git_commit
+from afd_ray.bench.compare import compare
 from afd_ray.bench.config import MAX_RANKS, BenchConfig, Topology
 from afd_ray.bench.progress import emit
 from afd_ray.bench.schema import BenchResult
@@ -86,10 +90,10 @@ def _delete_apps(names: Sequence[str]) -> list[str]:
     return running
 
 
-def run_sweep(cfg: BenchConfig, base_url: str) -> BenchResult:
+def run_sweep(cfg: BenchConfig, base_url: str, commit: str | None = None) -> BenchResult:
     """Measure every (family, layout) of `cfg` one after another on the Serve instance
     at `base_url` (see `afd_ray.bench.runner.run_benchmark`, which runs each one),
-    printing progress lines.
+    printing progress lines; `commit` is recorded (`BenchResult.commit`).
 
     Raises:
         KeyboardInterrupt: cancelled (SIGINT, or SIGTERM once `main` installed its
@@ -135,9 +139,11 @@ def run_sweep(cfg: BenchConfig, base_url: str) -> BenchResult:
     assert last is not None  # cases is not empty: BenchConfig needs a family and a layout
     return BenchResult(
         created=datetime.now(UTC).isoformat(timespec="seconds"),
+        commit=commit,
         machine=last.machine,
         config=cfg,
         runs=runs,
+        same_batch=compare(runs),
         transport=transport,
     )
 
@@ -202,7 +208,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--attention", help="attention ranks: N, N-M or N,M,... (with --ffn)")
     parser.add_argument("--ffn", help="FFN ranks: N, N-M or N,M,... (with --attention)")
     args = vars(parser.parse_args(argv))
-    out, ray_address, serve_url, smoke = (args.pop(k) for k in ("out", "ray_address", "serve_url", "smoke"))
+    out, ray_address, serve_url, smoke, commit = (args.pop(k) for k in RUN_FLAGS)
+    commit = commit or git_commit()
     attention, ffn = args.pop("attention"), args.pop("ffn")
     try:
         if (attention is None) != (ffn is None):
@@ -214,10 +221,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif "topologies" not in args:
             raise ValueError("--topologies: which layouts to sweep (or --attention and --ffn ranges)")
         smoke_settings = {k: v for k, v in SMOKE.items() if k != "topologies"} if smoke else {}
-        # The sweep compares layouts; the transport microbenchmark only on request.
-        cfg = BenchConfig.model_validate(smoke_settings | {"transport_microbench": False} | args)
+        # The sweep compares layouts, each deployed once; the transport microbenchmark only on request.
+        cfg = BenchConfig.model_validate(smoke_settings | {"transport_microbench": False, "repeats": 1} | args)
         if len(cfg.concurrency) != 1:
             raise ValueError("--concurrency: the sweep sends one load to every layout; give one value")
+        if cfg.repeats != 1:
+            raise ValueError("--repeats: the sweep deploys each layout once; repeats are the bench's")
     except ValueError as e:
         parser.error(usage_message(e))
 
@@ -226,7 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             # After connecting: `ray.init` installs its own SIGTERM handler (`sys.exit(15)`,
             # Ray 2.60), which would skip the cleanup. Before this nothing is deployed yet.
             signal.signal(signal.SIGTERM, _raise_interrupt)
-            result = run_sweep(cfg, url)
+            result = run_sweep(cfg, url, commit)
     except KeyboardInterrupt:
         print("afd_ray.bench sweep: cancelled", file=sys.stderr)
         return CANCELLED_EXIT

@@ -206,7 +206,7 @@ def test_latency_summary_in_milliseconds() -> None:
 
 
 def test_several_batches_and_cuda_settings_parse_from_the_command_line(monkeypatch: pytest.MonkeyPatch) -> None:
-    from afd_ray.bench.cli import build_parser
+    from afd_ray.bench.cli import RUN_FLAGS, build_parser
 
     args = vars(
         build_parser().parse_args(
@@ -230,9 +230,7 @@ def test_several_batches_and_cuda_settings_parse_from_the_command_line(monkeypat
             ]
         )
     )
-    cfg = BenchConfig.model_validate(
-        {k: v for k, v in args.items() if k not in ("out", "ray_address", "serve_url", "smoke")}
-    )
+    cfg = BenchConfig.model_validate({k: v for k, v in args.items() if k not in RUN_FLAGS})
     assert (cfg.platform, cfg.dtype, cfg.families, cfg.concurrency) == (
         "cuda",
         "bfloat16",

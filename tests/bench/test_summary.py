@@ -1,173 +1,215 @@
-"""`afd_ray.bench.summary` on the committed results of the 2026-12-01 H200 run: the
-values it derives must be the ones that run's hand-written results file states, and
-the llama CUDA-graph record of that run (0/96 tokens equal) must make llama unequal.
-A bench result with the FFN step split reports it per AFD batch (`step_split`)."""
+"""`afd_ray.bench.summary` and `afd_ray.bench.compare` on bench result files of schema 3.
+
+The inputs are real result files: the committed H200 runs of 2026-12-03 (run D's
+DeepSeek-V2-Lite bench, run E's fan-in), given the repeats, decode rates and commit a
+schema-3 run records, written as JSON by the schema classes and read back by the
+summary; the equality logs and the MoE-layer JSON are the committed ones as they are.
+"""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
-from afd_ray.bench.schema import BenchResult, FFNRankResult, StepSplitResult
+from afd_ray.bench.commit import CHECKOUT, git_commit
+from afd_ray.bench.compare import compare
+from afd_ray.bench.schema import BenchResult, RunResult
 from afd_ray.bench.summary import main, summarize
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
-RUN = "h200-2026-12-01"
+DSV2 = RESULTS / "h200-2026-12-03d-product-dsv2.json"
+"""plain and 1A1F of the DeepSeek-V2-Lite shape at batch 16 and 64, one repeat, schema 2."""
+FANIN = RESULTS / "h200-2026-12-03e-product-fanin.json"
+"""plain, 2A1F and 2A1F-dbo at batch 64."""
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+# (tok/s, decode tok/s, TPOT p50 ms) per repeat
+PLAIN = [(100.0, 1000.0, 5.0), (200.0, 1000.0, 5.0), (120.0, 1000.0, 5.0)]
+AFD = [(90.0, 950.0, 5.5), (210.0, 980.0, 5.25), (130.0, 1010.0, 5.0)]
+IDLE = [0.10, 0.05, 0.20]
+WIRE_MS = [0.27, 0.54, 0.81]
 
 
-def test_summary_of_the_2026_12_01_run(tmp_path: Path) -> None:
-    out = tmp_path / "product.json"
-    main(
-        [
-            "--serve-logs",
-            str(RESULTS / f"{RUN}-serve-one-gpu.log"),
-            str(RESULTS / f"{RUN}-product.log"),
-            "--bench",
-            str(RESULTS / f"{RUN}-product-dsv2.json"),
-            "--roundtrip",
-            str(RESULTS / f"{RUN}-cuda-ipc-pair-mps.json"),
-            "--moe-layer",
-            str(RESULTS / f"{RUN}-moe-layer.json"),
-            "--out",
-            str(out),
-        ]
+def _run(template: RunResult, repeat: int, figures: tuple[float, float, float], layers: int = 27) -> RunResult:
+    tok_s, decode, tpot = figures
+    update: dict[str, object] = {
+        "repeat": repeat,
+        "layers": layers,
+        "output_tokens_per_s": tok_s,
+        "decode_tokens_per_s": decode,
+        "tpot": template.tpot.model_copy(update={"p50_ms": tpot}),
+    }
+    if template.ffn:
+        rank = template.ffn[0]
+        split = rank.split.model_copy(update={"idle_fraction": IDLE[repeat], "wire_ms": WIRE_MS[repeat]})
+        update["ffn"] = [rank.model_copy(update={"split": split})]
+    return template.model_copy(update=update)
+
+
+def _bench(
+    tmp_path: Path,
+    name: str,
+    sides: dict[tuple[str, int], list[tuple[float, float, float]]],
+    commit: str | None = COMMIT,
+    source: Path = DSV2,
+) -> Path:
+    """A schema-3 result: the runs of `source` for each (label, batch) of `sides`, one
+    per repeat with those figures; written as JSON to `tmp_path / name`."""
+    base = BenchResult.model_validate_json(source.read_text())
+    templates = {(run.label, run.concurrency): run for run in base.runs}
+    runs = [_run(templates[key], k, figures) for key, repeats in sides.items() for k, figures in enumerate(repeats)]
+    result = base.model_copy(update={"commit": commit, "runs": runs})
+    path = tmp_path / name
+    path.write_text(result.model_dump_json(indent=2))
+    return path
+
+
+def test_same_batch_ratios_are_medians_of_the_paired_ratios(tmp_path: Path) -> None:
+    bench = _bench(tmp_path, "dsv2.json", {("plain", 16): PLAIN, ("1A1F", 16): AFD})
+    got = summarize(COMMIT, [bench])
+    assert got["commit"] == COMMIT and got["gpu"] == "NVIDIA H200" and got["vllm_version"] == "0.26.0"
+    entry = got["same_batch"]["deepseek-v2-lite"]["16"]
+    # tok/s pairs: 90/100, 210/200, 130/120 -> median 1.05 (the ratio of the medians, 130/120, is not reported)
+    assert entry["tok_s_ratio"] == 1.05 and entry["spread"]["tok_s_ratio"] == [0.9, round(130 / 120, 4)]
+    assert entry["decode_tok_s_ratio"] == 0.98 and entry["spread"]["decode_tok_s_ratio"] == [0.95, 1.01]
+    assert entry["tpot_p50_ratio"] == 1.05 and entry["spread"]["tpot_p50_ratio"] == [1.0, 1.1]
+    assert entry["repeats"] == 3
+    assert entry["plain"]["output_tok_s"] == {"median": 120.0, "min": 100.0, "max": 200.0}
+    assert entry["afd"]["tpot_p50_ms"] == {"median": 5.25, "min": 5.0, "max": 5.5}
+    # the step split of the 1A1F runs: medians over the repeats; wire per layer over 27 layers
+    assert got["idle_fraction"] == {"deepseek-v2-lite": {"16": 0.1}}
+    assert got["wire_us_per_layer"] == {"deepseek-v2-lite": {"16": 20.0}}
+    assert got["step_split"]["deepseek-v2-lite"]["16"]["wire_ms"] == 0.54
+    assert "afd_over_plain_tok_s" not in got and "product" not in got
+
+
+def test_the_bench_files_of_one_run_pool_their_repeats(tmp_path: Path) -> None:
+    """Two device calls of one commit: repeats 0-1 at batch 16 and 64, then one more at 16."""
+    first = _bench(
+        tmp_path,
+        "a.json",
+        {k: PLAIN[:2] for k in [("plain", 16), ("plain", 64)]}
+        | {
+            ("1A1F", 16): AFD[:2],
+            ("1A1F", 64): AFD[:2],
+        },
     )
-    got = json.loads(out.read_text())
-    stated = json.loads((RESULTS / f"{RUN}-product.json").read_text())
-    for key in ("gpu", "vllm_version", "roundtrip_us_graph", "moe_layer_over_floor", "afd_over_plain_tok_s"):
-        assert got[key] == stated[key], key
-    assert got["equal_tokens"] == {"deepseek_v3": True, "llama": False, "qwen3_moe": True}
-    assert got["equal_tokens_by_mode"]["llama"]["eager"]["equal"] is True
-    assert got["equal_tokens_by_mode"]["llama"]["graphs"]["equal_positions"] == 0
-    assert (
-        got["prompt_logprob_max_abs_diff"]["deepseek_v3"]["eager"]
-        == stated["prompt_logprob_max_abs_diff"]["deepseek_v3"]
+    second = _bench(tmp_path, "b.json", {("plain", 16): PLAIN[2:], ("1A1F", 16): AFD[2:]})
+    got = summarize(COMMIT, [first, second])["same_batch"]["deepseek-v2-lite"]
+    assert got["16"]["repeats"] == 3 and got["16"]["tok_s_ratio"] == 1.05  # pairs (0.9, 1.05) + (130/120)
+    assert got["64"]["repeats"] == 2 and got["64"]["tok_s_ratio"] == 0.975  # even count: mean of the middle two
+
+
+def test_an_afd_run_without_its_plain_pair_is_refused(tmp_path: Path) -> None:
+    bench = _bench(tmp_path, "dsv2.json", {("plain", 16): PLAIN[:2], ("1A1F", 16): AFD})
+    with pytest.raises(ValueError, match="1A1F batch 16 repeat 2 has no plain run"):
+        summarize(COMMIT, [bench])
+
+
+def test_inputs_of_another_commit_are_refused(tmp_path: Path) -> None:
+    bench = _bench(tmp_path, "dsv2.json", {("plain", 16): PLAIN, ("1A1F", 16): AFD}, commit="feedbeef")
+    with pytest.raises(ValueError, match=f"--bench: .* commit feedbeef, not {COMMIT}"):
+        summarize(COMMIT, [bench])
+    with pytest.raises(ValueError, match="commit None"):  # a schema-2 result records none
+        summarize(COMMIT, [DSV2])
+    record = json.loads(
+        (RESULTS / "h200-2026-12-03e-gpu-tests.log").read_text().split("SERVE_ONE_GPU ", 1)[1].splitlines()[0]
     )
-    assert got["graphs"] is False
-    for batch, sides in stated["product_deepseek_v2_lite"].items():
-        assert got["product"][batch]["1A1F"]["output_tok_s"] == sides["1A1F"]["output_tok_s"]
+    log = tmp_path / "equal.log"
+    log.write_text("SERVE_ONE_GPU " + json.dumps(record | {"commit": "feedbeef"}) + "\n")
+    with pytest.raises(ValueError, match="--serve-logs: .* commit feedbeef"):
+        summarize(COMMIT, serve_logs=[log])
+    log.write_text("SERVE_ONE_GPU " + json.dumps(record | {"commit": COMMIT}) + "\n")
+    assert summarize(COMMIT, serve_logs=[log])["equal_tokens_run"]["qwen3_moe"]["graphs-2A1F-dbo"]["equal"]
 
 
-def test_each_graph_mode_of_a_family_is_kept_apart_with_its_log() -> None:
-    """The 2026-12-02 piecewise records and the 2026-12-03 whole-step (`full`) records
-    of the same families are two modes each, not one replacing the other."""
-    logs = [RESULTS / "h200-2026-12-02-product.log", RESULTS / "h200-2026-12-03-full-graphs.log"]
-    got = summarize(logs, [], None, None)["equal_tokens_by_mode"]
-    assert set(got["llama"]) == {"graphs", "full"}
-    assert got["deepseek_v3"]["graphs"]["equal_positions"] == 82
-    assert got["deepseek_v3"]["full"]["equal_positions"] == 96
-    assert got["deepseek_v3"]["full"]["log"] == "h200-2026-12-03-full-graphs.log"
+def test_results_without_decode_rates_are_refused() -> None:
+    old = BenchResult.model_validate_json(DSV2.read_text())
+    with pytest.raises(ValueError, match="no decode_tokens_per_s"):
+        compare(old.runs)
 
 
-def test_a_bench_without_both_sides_is_refused(tmp_path: Path) -> None:
-    result = json.loads((RESULTS / f"{RUN}-product-dsv2.json").read_text())
-    result["runs"] = [run for run in result["runs"] if run["label"] == "plain"]
-    bench = tmp_path / "plain-only.json"
-    bench.write_text(json.dumps(result))
-    with pytest.raises(ValueError, match="--bench: needs plain and 1A1F"):
-        summarize([], [bench], None, None)
-
-
-def test_old_bench_results_without_a_step_split_leave_the_key_out() -> None:
-    got = summarize([], [RESULTS / f"{RUN}-product-dsv2.json"], None, None)
-    assert "step_split" not in got
-
-
-def test_the_step_split_of_each_afd_batch_is_reported(tmp_path: Path) -> None:
-    result = BenchResult.model_validate_json((RESULTS / f"{RUN}-product-dsv2.json").read_text())
-    runs = []
-    for run in result.runs:
-        if run.label == "1A1F":
-            c = run.concurrency
-            split = StepSplitResult(
-                timed_steps=c,
-                step_ms=10.0,
-                attention_ms=4.0,
-                wire_ms=0.5,
-                ffn_ms=c / 100,
-                idle_ms=5.5 - c / 100,
-                attention_fraction=0.4,
-                wire_fraction=0.05,
-                ffn_fraction=c / 1000,
-                idle_fraction=0.55 - c / 1000,
-            )
-            rank = FFNRankResult(
-                rank=0,
-                steps=c,
-                tokens=c * c,
-                mean_tokens_per_step=c,
-                a2f_bytes_per_step=1.0,
-                f2a_bytes_per_step=1.0,
-                formula_bytes_per_step=1.0,
-                busy_fraction=0.5,
-                split=split,
-            )
-            run = run.model_copy(update={"ffn": [rank]})
-        runs.append(run)
-    bench = tmp_path / "bench.json"
-    bench.write_text(result.model_copy(update={"runs": runs}).model_dump_json())
-
-    got = summarize([], [bench], None, None)
-    assert sorted(got["step_split"], key=int) == ["16", "64", "256"]  # the AFD batches only
-    assert got["step_split"]["64"] == {
-        "timed_steps": 64,
-        "step_ms": 10.0,
-        "attention_ms": 4.0,
-        "wire_ms": 0.5,
-        "ffn_ms": 0.64,
-        "idle_ms": 4.86,
-        "attention_fraction": 0.4,
-        "wire_fraction": 0.05,
-        "ffn_fraction": 0.064,
-        "idle_fraction": 0.486,
+def test_equality_counts_every_record_of_the_run() -> None:
+    """Run 2026-12-02d recorded DeepSeek-V3 with piecewise graphs three times (73, 73
+    and 96 of 96 positions): it stays unequal, with all its positions, where the
+    newest record alone said equal."""
+    logs = [RESULTS / "h200-2026-12-02d-mla.log", RESULTS / "h200-2026-12-03e-gpu-tests.log"]
+    got = summarize(COMMIT, serve_logs=logs)["equal_tokens_run"]
+    graphs = got["deepseek_v3"]["graphs"]
+    assert (graphs["equal"], graphs["equal_positions"], graphs["positions"]) == (False, 242, 288)
+    assert got["deepseek_v3"]["eager"]["equal"] is True
+    assert got["qwen3_moe"] == {
+        "graphs-2A1F-dbo": {
+            "equal": True,
+            "equal_positions": 96,
+            "positions": 96,
+            "dtype": "float32",
+            "prompt_logprob_max_abs_diff": 0.0002899169921875,
+            "logs": ["h200-2026-12-03e-gpu-tests.log"],
+        }
     }
 
 
-def test_other_shapes_are_reported_beside_the_main_one() -> None:
-    """Run D (2026-12-03): the Qwen3-30B-A3B bench goes under `other_shapes`, with its
-    own best-vs-best ratio (2434.7 / 2420.7 tok/s at batch 64); the main keys stay
-    DeepSeek-V2-Lite's (5649.9 / 5978.4)."""
-    got = summarize(
-        [],
-        [RESULTS / "h200-2026-12-03d-product-dsv2.json"],
-        None,
-        None,
-        [RESULTS / "h200-2026-12-03d-product-qwen3.json"],
+def test_fan_in_layouts_are_compared_with_plain_at_the_same_batch(tmp_path: Path) -> None:
+    sides = {("plain", 64): PLAIN, ("2A1F", 64): AFD, ("2A1F-dbo", 64): [(f[0] * 2, f[1], f[2]) for f in AFD]}
+    fan_in = _bench(tmp_path, "fanin.json", sides, source=FANIN)
+    got = summarize(COMMIT, fan_in=[fan_in])["fan_in"]["deepseek-v2-lite"]
+    assert got["2A1F"]["64"]["tok_s_ratio"] == 1.05 and got["2A1F-dbo"]["64"]["tok_s_ratio"] == 2.1
+    assert got["2A1F-dbo"]["64"]["step_split"]["idle_fraction"] == 0.1
+
+
+def test_main_writes_every_key_of_the_issue(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bench = _bench(tmp_path, "dsv2.json", {("plain", 16): PLAIN, ("1A1F", 16): AFD})
+    plan_check = tmp_path / "plan-check.json"
+    plan_check.write_text(
+        json.dumps(
+            {
+                "plan_check": {"1A1F": {"predicted_tpot_ms": 6.0, "measured_tpot_ms": 6.3, "rel_err": -0.048}},
+                "note": "the plan's own keys stay out",
+            }
+        )
     )
-    assert got["families"] == ["deepseek-v2-lite"] and got["afd_over_plain_tok_s"] == 0.945
-    qwen3 = got["other_shapes"]["qwen3-30b-a3b"]
-    assert qwen3["afd_over_plain_tok_s"] == round(2434.7 / 2420.7, 3)
-    assert qwen3["product"]["16"]["1A1F"]["tpot_p50_ms"] == 17.14
-
-
-def test_runs_of_one_shape_merge_by_batch() -> None:
-    """Run D measured batches 16 and 64, run E (2026-12-03) batch 256, each with both
-    sides in one run: the table holds all three, and the best batch is run E's 256
-    (7654.6 / 7853.4 tok/s)."""
-    got = summarize(
-        [], [RESULTS / "h200-2026-12-03d-product-dsv2.json", RESULTS / "h200-2026-12-03e-product-dsv2.json"], None, None
+    predictions = tmp_path / "predictions.json"
+    predictions.write_text(
+        json.dumps({"4A4F": {"gpus": 8, "tok_s_per_gpu": 900.0, "tpot_ms": 20.0, "plain_tok_s_per_gpu": 850.0}})
     )
-    assert sorted(got["product"], key=int) == ["16", "64", "256"]
-    assert got["product"]["64"]["plain"]["output_tok_s"] == 5978.4
-    assert got["afd_over_plain_tok_s"] == round(7654.6 / 7853.4, 3)
-    assert got["step_split"]["256"]["timed_steps"] == 204
+    ffn = tmp_path / "ffn-vs-vllm.json"
+    ffn.write_text(json.dumps({"ffn_moe_over_vllm_moe": {"deepseek-v2-lite": {"16": 1.31, "64": 1.2}}}))
+    out = tmp_path / "product.json"
+    argv = ["--commit", COMMIT, "--bench", str(bench), "--out", str(out)]
+    argv += ["--serve-logs", str(RESULTS / "h200-2026-12-03-full-graphs.log")]
+    argv += ["--moe-layer", str(RESULTS / "h200-2026-12-03e-moe-layer.json")]
+    argv += ["--plan-check", str(plan_check), "--plan-predictions", str(predictions), "--ffn-vs-vllm", str(ffn)]
+    assert main(argv) == 0
+    got = json.loads(out.read_text())
+    for key in ("commit", "gpu", "vllm_version", "same_batch", "ffn_moe_over_vllm_moe", "moe_layer_over_floor"):
+        assert key in got, key
+    for key in ("idle_fraction", "wire_us_per_layer", "equal_tokens_run", "plan_check", "plan_predictions"):
+        assert key in got, key
+    assert got["moe_layer_over_floor"]["qwen3-30b-a3b"]["256"] == round(1.4081734790675193, 4)
+    assert got["plan_check"] == {"1A1F": {"predicted_tpot_ms": 6.0, "measured_tpot_ms": 6.3, "rel_err": -0.048}}
+    assert got["plan_predictions"]["4A4F"]["gpus"] == 8
+    assert got["ffn_moe_over_vllm_moe"] == {"deepseek-v2-lite": {"16": 1.31, "64": 1.2}}
+    assert set(got["equal_tokens_run"]) == {"deepseek_v3", "llama", "qwen3_moe"}
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["same_batch"]["deepseek-v2-lite 16"]["tok_s_ratio"] == 1.05 and printed["unequal_modes"] == []
 
 
-def test_fan_in_reports_dbo_on_over_off() -> None:
-    """Run E's fan-in: 2A:1F-dbo 3699.8 tok/s over 2A:1F's 2853.5 at batch 64."""
-    got = summarize([], [], None, None, fan_in_bench=RESULTS / "h200-2026-12-03e-product-fanin.json")["fan_in"]
-    assert list(got) == ["64"]
-    assert got["64"]["dbo_over_no_dbo"] == round(3699.8 / 2853.5, 3)
-    assert got["64"]["plain"]["output_tok_s"] == 5917.9
-    assert set(got["64"]["step_split"]) == {"2A1F", "2A1F-dbo"}
+def test_a_plan_file_without_a_required_figure_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plan_check = tmp_path / "plan-check.json"
+    plan_check.write_text(json.dumps({"1A1F": {"predicted_tpot_ms": 6.0, "measured_tpot_ms": 6.3}}))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--commit", COMMIT, "--plan-check", str(plan_check), "--out", str(tmp_path / "out.json")])
+    assert exit_info.value.code == 2 and "rel_err" in capsys.readouterr().err
 
 
-def test_a_fan_in_without_both_layouts_is_refused(tmp_path: Path) -> None:
-    result = json.loads((RESULTS / "h200-2026-12-03e-product-fanin.json").read_text())
-    result["runs"] = [run for run in result["runs"] if run["label"] != "2A1F-dbo"]
-    bench = tmp_path / "no-dbo.json"
-    bench.write_text(json.dumps(result))
-    with pytest.raises(ValueError, match="--fan-in: batch 64 needs 2A1F and 2A1F-dbo"):
-        summarize([], [], None, None, fan_in_bench=bench)
+def test_the_commit_is_read_from_the_checkout(tmp_path: Path) -> None:
+    assert git_commit(tmp_path) is None  # not a git work tree: the run must pass --commit
+    commit = git_commit()
+    if (CHECKOUT / ".git").exists():
+        assert commit is not None and re.fullmatch(r"[0-9a-f]{40}(-dirty)?", commit)
+    else:
+        assert commit is None

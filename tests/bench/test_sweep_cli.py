@@ -45,6 +45,7 @@ def test_ranges_and_lists() -> None:
         (["--topologies", "1A1F", "--slo-ttft-ms", "-5"], "--slo-ttft-ms"),
         (["--topologies", "1A1F", "--price-per-device-hour", "0"], "--price-per-device-hour"),
         (["--topologies", "1A1F", "--concurrency", "1", "2"], "--concurrency"),
+        (["--topologies", "1A1F", "--repeats", "2"], "--repeats: the sweep deploys each layout once"),
     ],
 )
 def test_bad_sweep_spec_exits_2_naming_the_field(
