@@ -1,29 +1,26 @@
-"""`afd-ray profile`: split a colocated decode step into attention, FFN/MoE and
-communication time per batch size, and say whether AFD can pay.
+"""`afd-ray profile` on CPU: split a decode step into attention, FFN/MoE and the rest
+per batch size and context, measure plain vLLM's step given every core, and say
+whether AFD pays against it.
 
-Profiler: PyTorch module forward hooks timed with `time.process_time` (CPU time of
-this process, all its threads), on the model that plain vLLM (`vllm.LLM`, in this
-process, eager mode, no AFD) runs. CPU time, not wall time: on a machine shared with
-other work, time spent waiting for a core is not the model's cost (the planner's
-`host_cores` term models the sharing). With more than one engine thread the CPU time
-of a step is the sum over its threads. Each decoder
-layer's attention module (`self_attn`) and FFN module (`mlp` / `block_sparse_moe`) get
-a pre- and a post-hook; the model's own pre-hook marks the start of every forward, so
-the time from one decode forward's start to the next is the whole engine step
-(scheduling, forward, sampling). On CPU every op is synchronous, so the hooks time the
-work itself. (On a GPU they would time kernel launches only: there, use a GPU decode
-benchmark JSON, which `load_profile` accepts: `benchmarks/results/h200x2-2026-11-29.json`,
-measured with the former stand-alone GPU harness, fixes its format.)
+Two engines, each in a process of its own (`afd_ray.plan.probe`, which gives the
+profiler), one after the other:
+
+- the split: plain vLLM with `threads` OpenMP threads (default 1, as one attention
+  rank and one FFN rank run), the attention and FFN modules timed by forward hooks;
+- plain vLLM at equal resources: the same engine with `plain_threads` threads
+  (default: every core this process may use), its decode step timed the same way, as
+  the benchmark's plain engine (`afd_ray.bench.plain`) would run on this machine.
+
+Both in wall time (`afd_ray.plan.probe` says why).
 
 Communication inside a colocated step is zero on one device. What AFD would add is
 measured separately (`afd_ray.plan.link`): the connector's layer round trip on this
 machine, fitted to a latency and a bandwidth.
 
-Verdict per batch size b (`verdicts`): AFD can pay when the FFN is a large enough part
-of the step to be worth its own devices, `ffn_share >= MIN_FFN_SHARE`, and the A2F/F2A
-traffic docs/models.md gives, `2 × L × b × H × bytes_per_elem` bytes in `2 × L`
-messages, costs less on the link than the FFN time it takes off the attention ranks
-(`transfer_ms < ffn_ms`); with DBO that traffic can then hide behind compute.
+Verdict per profiled point (`verdicts`): AFD 1A:1F (its two ranks on the cores plain
+vLLM used; CUDA: two GPUs) predicted by `afd_ray.plan.model`, against plain vLLM on
+the same cores (measured; CUDA: DP+EP over the same two GPUs, modelled), same batch.
+AFD pays when its output tok/s per core or GPU is higher.
 """
 
 from __future__ import annotations
@@ -31,82 +28,57 @@ from __future__ import annotations
 import json
 import os
 import platform
-import statistics
-import time
+import subprocess
+import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
 from pydantic import ValidationError
 
-from afd_ray.plan.schema import Link, Profile, StepPoint, Verdict
+from afd_ray.plan.schema import Link, PlainPoint, Profile, StepPoint, Verdict
 
-__all__ = ["MIN_FFN_SHARE", "load_profile", "profile_vllm", "verdicts"]
+__all__ = ["load_profile", "profile_vllm", "run_probe", "verdicts"]
 
-MIN_FFN_SHARE = 0.3
-"""Below this FFN share of the step, a separate FFN pool has too little to batch."""
-
-_FFN_MODULES = ("mlp", "block_sparse_moe")
-
-
-class _Hooks:
-    """Forward hooks that time the attention and FFN modules of every forward."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.forwards: list[dict[str, float]] = []
-        self._open: dict[str, float] = {}
-        self._handles = []
-        self.layers = 0
-        for name, module in model.named_modules():
-            parts = name.split(".")
-            if len(parts) >= 3 and parts[-3] == "layers" and parts[-2].isdigit():
-                role = "attention" if parts[-1] == "self_attn" else "ffn" if parts[-1] in _FFN_MODULES else None
-                if role is None:
-                    continue
-                self.layers += role == "attention"
-                self._handles.append(module.register_forward_pre_hook(self._start(role)))
-                self._handles.append(module.register_forward_hook(self._stop(role)))
-        if self.layers == 0:
-            raise ValueError("model: no `layers.N.self_attn` modules found to profile")
-        self._handles.append(model.register_forward_pre_hook(self._forward))
-
-    def _forward(self, module: torch.nn.Module, args: tuple) -> None:
-        self.forwards.append({"start": time.process_time(), "attention": 0.0, "ffn": 0.0, "tokens": 0})
-
-    def _start(self, role: str):
-        def hook(module: torch.nn.Module, args: tuple) -> None:
-            if role == "ffn" and self.forwards and not self.forwards[-1]["tokens"]:
-                self.forwards[-1]["tokens"] = args[0].shape[0]
-            self._open[role] = time.process_time()
-
-        return hook
-
-    def _stop(self, role: str):
-        def hook(module: torch.nn.Module, args: tuple, output: object) -> None:
-            self.forwards[-1][role] += time.process_time() - self._open.pop(role)
-
-        return hook
-
-    def close(self) -> None:
-        for handle in self._handles:
-            handle.remove()
+PROBE_TIMEOUT_S = 900.0
+"""Longest one profiling engine may take, start and all points (a 135M model at
+batch 16 and 512-token prompts takes about a minute on 2 cores)."""
 
 
-def _decode_point(forwards: list[dict[str, float]], batch: int, context: float) -> StepPoint:
-    """Lower quartile over the decode forwards (exactly `batch` rows) that have a
-    successor: other work on the machine only ever adds time, so the lower quartile is
-    closer to the step's own cost than the median."""
-    steps = [
-        (nxt["start"] - cur["start"], cur["attention"], cur["ffn"])
-        for cur, nxt in zip(forwards, forwards[1:])
-        if cur["tokens"] == batch
-    ]
-    if len(steps) < 3:
-        raise RuntimeError(f"batch {batch}: only {len(steps)} decode steps were timed")
-    step, attention, ffn = (
-        statistics.quantiles(column, n=4, method="inclusive")[0] * 1e3 for column in zip(*steps, strict=True)
-    )
-    return StepPoint(batch=batch, context=context, step_ms=step, attention_ms=attention, ffn_ms=ffn)
+def run_probe(
+    checkpoint: Path, threads: int, batches: Sequence[int], prompt_tokens: Sequence[int], decode_steps: int, dtype: str
+) -> list[dict[str, float]]:
+    """Run `afd_ray.plan.probe.measure` in a new process whose engine environment is
+    `engine_env` with `threads` threads; return its points.
+
+    Raises:
+        RuntimeError: the probe failed (its stderr's tail in the message).
+        subprocess.TimeoutExpired: it ran past `PROBE_TIMEOUT_S`.
+    """
+    from afd_ray.attention.engine import engine_env
+    from afd_ray.config import AttentionPoolConfig
+
+    env = os.environ | engine_env(AttentionPoolConfig(num_threads=threads)) | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    spec = {
+        "checkpoint": str(checkpoint),
+        "batches": list(batches),
+        "prompt_tokens": list(prompt_tokens),
+        "decode_steps": decode_steps,
+        "dtype": dtype,
+    }
+    with tempfile.TemporaryDirectory() as folder:
+        spec_path, out_path = Path(folder) / "spec.json", Path(folder) / "out.json"
+        spec_path.write_text(json.dumps(spec))
+        done = subprocess.run(
+            [sys.executable, "-m", "afd_ray.plan.probe", str(spec_path), str(out_path)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=PROBE_TIMEOUT_S,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"profiling engine ({threads} threads) failed: {done.stderr[-3000:]}")
+        return json.loads(out_path.read_text())
 
 
 def profile_vllm(
@@ -115,86 +87,59 @@ def profile_vllm(
     prompt_tokens: Sequence[int],
     decode_steps: int = 16,
     threads: int = 1,
+    plain_threads: int | None = None,
     dtype: str = "float32",
     link: Link | None = None,
 ) -> Profile:
-    """Serve `checkpoint` with plain vLLM in this process and time decode steps.
-
-    For every prompt length in `prompt_tokens` and batch size in `batches`, generate
-    `decode_steps` + 1 tokens for `batch` random prompts at once (greedy, EOS ignored)
-    and keep the median of the decode steps. The engine runs with `threads` OpenMP
-    threads, as one attention rank does (`afd_ray.attention.engine.engine_env`).
+    """Profile `checkpoint` on this CPU (module docstring): the split with `threads`
+    threads, plain vLLM with `plain_threads` (None: every usable core).
 
     Args:
-        link: the A2F/F2A link; None measures the connector over gloo here.
+        link: the A2F/F2A link; None measures the connector here (`shm`, `measure_link`).
 
     Raises:
-        ValueError: no decoder layers found; an empty `batches` or `prompt_tokens`, a
-            batch above `afd_ray.plan.plan.MAX_BATCH`.
-        RuntimeError: too few decode steps could be timed.
+        ValueError: fewer than two distinct `batches`, an empty `prompt_tokens`, a
+            batch above `afd_ray.plan.plan.MAX_BATCH`; no decoder layers found.
+        RuntimeError: a profiling engine failed, or too few decode steps were timed.
     """
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    import torch
 
-    from afd_ray.attention.engine import engine_env
-    from afd_ray.config import AttentionPoolConfig
     from afd_ray.plan.link import measure_link
     from afd_ray.plan.plan import MAX_BATCH
 
-    if not batches or not prompt_tokens:
-        raise ValueError("batches, prompt_tokens: at least one value each")
+    if len(set(batches)) < 2 or not prompt_tokens:
+        raise ValueError("batches, prompt_tokens: at least two distinct batch sizes and one prompt length")
     if max(batches) > MAX_BATCH:
         raise ValueError(f"batches: each at most {MAX_BATCH} (MAX_BATCH), got {max(batches)}")
+    plain_threads = plain_threads or len(os.sched_getaffinity(0))
     config = json.loads((checkpoint / "config.json").read_text())
     hidden, layers = config["hidden_size"], config["num_hidden_layers"]
     torch_dtype = getattr(torch, dtype)
     link = link or measure_link(hidden, torch_dtype)
-
-    os.environ.update(engine_env(AttentionPoolConfig(num_threads=threads)))
-    # In-process engine core: the hooks run in this process and their timings stay here.
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    llm = LLM(
-        model=str(checkpoint),
-        dtype=dtype,
-        enforce_eager=True,
-        max_model_len=max(prompt_tokens) + decode_steps + 8,
-        max_num_seqs=max(batches),
-        enable_prefix_caching=False,
-        kv_cache_memory_bytes=1 << 28,
-        seed=0,
-    )
-    (model,) = llm.apply_model(lambda m: m)
-    hooks = _Hooks(model)
-    vocab = config["vocab_size"]
-    generator = torch.Generator().manual_seed(0)
-    points = []
-    try:
-        # Warm-up: the first forward of each batch size builds kernels and buffers.
-        for batch in batches:
-            warm = [TokensPrompt(prompt_token_ids=[2] * min(prompt_tokens)) for _ in range(batch)]
-            llm.generate(warm, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), use_tqdm=False)
-        for length in prompt_tokens:
-            for batch in batches:
-                prompts = [
-                    TokensPrompt(prompt_token_ids=torch.randint(2, vocab, (length,), generator=generator).tolist())
-                    for _ in range(batch)
-                ]
-                hooks.forwards.clear()
-                params = SamplingParams(max_tokens=decode_steps + 1, temperature=0, ignore_eos=True)
-                llm.generate(prompts, params, use_tqdm=False)
-                points.append(_decode_point(hooks.forwards, batch, length + decode_steps / 2))
-    finally:
-        hooks.close()
+    split = run_probe(checkpoint, threads, batches, prompt_tokens, decode_steps, dtype)
+    plain = run_probe(checkpoint, plain_threads, batches, prompt_tokens, decode_steps, dtype)
     moe = any(key in config for key in ("num_experts", "num_local_experts", "n_routed_experts"))
     profile = Profile(
         model=str(checkpoint),
-        device=f"{_cpu_model()} ({threads} thread{'s' * (threads > 1)})",
-        source="afd-ray profile: vLLM (in-process, eager) + torch forward hooks (time.process_time)",
+        device=f"{_cpu_model()} ({threads} thread{'s' * (threads > 1)}; plain vLLM {plain_threads})",
+        source="afd-ray profile: vLLM (own process, eager) + torch forward hooks (wall time, medians)",
+        platform="cpu",
         num_layers=layers,
         hidden_size=hidden,
         bytes_per_elem=torch_dtype.itemsize,
         moe=moe,
-        points=points,
+        points=[
+            StepPoint(
+                batch=p["batch"],
+                context=p["context"],
+                step_ms=p["step_ms"],
+                attention_ms=p["attention_ms"],
+                ffn_ms=p["ffn_ms"],
+            )
+            for p in split
+        ],
+        plain=[PlainPoint(batch=p["batch"], context=p["context"], step_ms=p["step_ms"]) for p in plain],
+        plain_devices=plain_threads,
         link=link,
     )
     return profile.model_copy(update={"verdicts": verdicts(profile)})
@@ -208,106 +153,61 @@ def _cpu_model() -> str:
 
 
 def verdicts(profile: Profile) -> list[Verdict]:
-    """Whether AFD can pay at each profiled batch size (module docstring)."""
+    """Whether AFD pays at each profiled point against plain vLLM at equal resources
+    (module docstring): on CPU AFD 1A:1F with its ranks on `plain_devices` cores
+    against plain vLLM's modelled step there, at the same batch; on CUDA 1A:1F on two
+    GPUs against plain DP+EP on two GPUs, tok/s per GPU at the same batch per rank.
+
+    Raises:
+        ValueError: fewer than two distinct batch sizes in `points` or `plain`.
+    """
+    from afd_ray.plan.model import Layout, PerformanceModel
+
+    cpu = profile.platform == "cpu"
+    model = PerformanceModel(profile, host_cores=profile.plain_devices if cpu else None)
     out = []
     for point in profile.points:
+        b, c = point.batch, point.context
+        afd = model.tpot(Layout(1, 1, b), c)[0]
+        plain = model.plain(b, c, gpus=2)
+        # tok/s per core (CPU: both sides on the same cores) or per GPU (b / T over 2 GPUs vs b / T_plain per GPU)
+        ratio = plain.tpot_ms / afd if cpu else plain.tpot_ms / (2 * afd)
         share = point.ffn_ms / point.step_ms
-        num_bytes = 2 * profile.num_layers * point.batch * profile.hidden_size * profile.bytes_per_elem
-        messages = 2 * profile.num_layers
-        transfer = messages * profile.link.latency_us / 1e3 + num_bytes / (profile.link.bandwidth_gbps * 1e9) * 1e3
-        if share < MIN_FFN_SHARE:
-            can_pay, reason = False, f"FFN is {share:.0%} of the step (< {MIN_FFN_SHARE:.0%}): little to offload"
-        elif transfer >= point.ffn_ms:
-            can_pay, reason = (
-                False,
-                (
-                    f"A2F+F2A {transfer:.2f} ms/step ({messages} messages, {num_bytes:,.0f} B) "
-                    f">= the FFN time it offloads ({point.ffn_ms:.2f} ms)"
-                ),
-            )
-        else:
-            can_pay, reason = (
-                True,
-                (f"FFN is {share:.0%} of the step and A2F+F2A costs {transfer:.2f} ms < {point.ffn_ms:.2f} ms of FFN"),
-            )
+        num_bytes = 2 * profile.num_layers * b * profile.hidden_size * profile.bytes_per_elem
+        side = f"plain vLLM on {profile.plain_devices:g} cores" if cpu else "plain vLLM DP+EP on 2 GPUs"
+        winner = "AFD pays" if ratio > 1 else "plain vLLM wins"
+        reason = (
+            f"{winner}: AFD 1A:1F TPOT {afd:.2f} ms vs {side} {plain.tpot_ms:.2f} ms at batch {b}, "
+            f"AFD/plain tok/s per {'core' if cpu else 'GPU'} {ratio:.2f}x (FFN {share:.0%} of the split step)"
+        )
         out.append(
             Verdict(
-                batch=point.batch,
+                batch=b,
                 ffn_share=share,
                 bytes_per_step=num_bytes,
-                transfer_ms=transfer,
-                can_pay=can_pay,
+                transfer_ms=model.t_transfer(b),
+                afd_tpot_ms=afd,
+                plain_tpot_ms=plain.tpot_ms,
+                afd_over_plain=ratio,
+                can_pay=ratio > 1,
                 reason=reason,
             )
         )
     return out
 
 
-def _from_gpu_bench(data: dict, model: str | None, source: str) -> Profile:
-    """A `Profile` from a GPU decode benchmark JSON (the format of
-    `benchmarks/results/h200x2-2026-11-29.json`, written by the stand-alone GPU harness
-    that issue 12 removed): per batch, the attention-only step (`attention_ub1.step_ms`),
-    the FFN-only step (`ffn_ub1.step_ms`) and the colocated step
-    (`colocated_1gpu.step_ms`, whose rest is `other`); the link from the CUDA-graph
-    layer round trips (`roundtrip_us_graph`) for the latency and the bulk A2F bandwidth
-    (`p2p.a2f_bulk_GBps`).
+def load_profile(path: Path) -> Profile:
+    """Read a profile written by `afd-ray profile` (CPU or `--platform cuda`).
 
     Raises:
-        ValueError: `model` is not in the file (names the models it has).
-    """
-    models = data["models"]
-    name = model or next(iter(models))
-    if name not in models:
-        raise ValueError(f"model: {name!r} is not in {source}; it has {sorted(models)}")
-    entry = models[name]
-    points = []
-    for batch, figures in sorted(entry["batches"].items(), key=lambda item: int(item[0])):
-        attention, ffn = figures["attention_ub1"]["step_ms"], figures["ffn_ub1"]["step_ms"]
-        step = max(figures["colocated_1gpu"]["step_ms"], attention + ffn)
-        points.append(
-            StepPoint(batch=int(batch), context=entry["context"], step_ms=step, attention_ms=attention, ffn_ms=ffn)
-        )
-    round_trips = {int(t): us for t, us in data["roundtrip_us_graph"].items()}
-    smallest = min(round_trips)
-    link = Link(
-        latency_us=round_trips[smallest] / 2,
-        bandwidth_gbps=data["p2p"]["a2f_bulk_GBps"],
-        source=f"{source}: roundtrip_us_graph[{smallest}] / 2, p2p.a2f_bulk_GBps",
-    )
-    profile = Profile(
-        model=name,
-        device=f"{data['gpu']} (x{data['gpus']})",
-        source=f"GPU decode benchmark JSON {source}",
-        num_layers=entry["num_layers"],
-        hidden_size=entry["hidden_size"],
-        bytes_per_elem=2 if "16" in data["dtype"] else 4,
-        moe=True,
-        points=points,
-        link=link,
-    )
-    return profile.model_copy(update={"verdicts": verdicts(profile)})
-
-
-def load_profile(path: Path, model: str | None = None) -> Profile:
-    """Read a profile: `afd-ray profile`'s JSON, or the GPU benchmark's
-    (e.g. `benchmarks/results/h200x2-2026-11-29.json`; `model` picks one of its
-    models, default the first).
-
-    Raises:
-        ValueError: not JSON, or neither kind of file; the message names the file and
-            the bad field (e.g. `points.0.step_ms: Input should be greater than 0`).
+        ValueError: not JSON, or not a profile; the message names the file and the bad
+            field (e.g. `points.0.step_ms: Input should be greater than 0`).
         OSError: the file cannot be read.
     """
     try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not JSON: {e}") from e
-    try:
-        if isinstance(data, dict) and "models" in data and "roundtrip_us_graph" in data:
-            return _from_gpu_bench(data, model, str(path))
-        return Profile.model_validate(data)
+        return Profile.model_validate_json(path.read_text())
     except ValidationError as e:
+        if any(err["type"] == "json_invalid" for err in e.errors()):
+            raise ValueError(f"{path}: not JSON: {e.errors()[0]['msg']}") from e
         problems = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}" for err in e.errors())
         raise ValueError(f"{path}: {problems}") from e
-    except (KeyError, TypeError) as e:
-        raise ValueError(f"{path}: GPU benchmark JSON without the field {e}") from e
