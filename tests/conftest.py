@@ -33,9 +33,21 @@ SESSION_APP = "afd"
 _LAST_USER = pytest.StashKey[pytest.Item]()
 
 
+DEFAULT_TIMEOUT_S = 600
+"""pytest-timeout's limit of every test that sets none (`pytest.mark.timeout`), its
+fixtures' setup included (the first user of a session application deploys it): a hang
+fails with its stack instead of running into CI's limit."""
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Order whole modules (tests inside a module keep their order): those that use
-    `FIRST`, then the others, then those that use `LAST`; stable otherwise."""
+    """Give each test without a `timeout` mark `DEFAULT_TIMEOUT_S` (an explicit
+    `--timeout` or a `timeout` ini setting replaces this default), then order whole
+    modules (tests inside a module keep their order): those that use `FIRST`, then
+    the others, then those that use `LAST`; stable otherwise."""
+    if config.getoption("timeout", None) is None and not config.getini("timeout"):
+        for item in items:
+            if item.get_closest_marker("timeout") is None:
+                item.add_marker(pytest.mark.timeout(DEFAULT_TIMEOUT_S))
     uses: dict[object, set[str]] = {}
     for item in items:
         uses.setdefault(item.module, set()).update(item.fixturenames)

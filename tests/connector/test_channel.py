@@ -19,6 +19,8 @@ from afd_ray.connector.link import PeerLostError
 from afd_ray.connector.loopback import LoopbackFFN
 
 H = 8
+DETECT_S = 1.0
+"""Bound on a waiting side learning that its pair's peer process died (one host)."""
 
 
 def test_header_wire_format_round_trips():
@@ -91,9 +93,57 @@ def test_dead_attention_peer_fails_the_receive_instead_of_hanging(transport: str
     assert step.kind is HeaderKind.STEP
     child.kill()
     start = time.monotonic()
-    with pytest.raises(RuntimeError):
+    with pytest.raises(PeerLostError):
         ffn.recv_a2f(step.peer, torch.empty(step.num_tokens, H))
-    assert time.monotonic() - start < 20
+    assert time.monotonic() - start < DETECT_S  # the pair broke: not the 30 s timeout
+    ffn.close()
+
+
+def _serve_until_killed(addresses: mp.Queue, received: mp.Queue) -> None:
+    """An FFN rank in its own process: admit one peer, read its STEP and the A2F of
+    the first layer, say so, then wait (for SIGKILL) without answering."""
+    ffn = FFNChannel("127.0.0.1", "gloo", timeout_s=30)
+    addresses.put(ffn.address)
+    join = ffn.recv_header(30)
+    ffn.admit(join.peer)
+    step = ffn.recv_header(30)
+    ffn.recv_a2f(step.peer, torch.empty(step.num_tokens, H))
+    received.put(step.num_tokens)
+    time.sleep(60)
+
+
+def test_dead_ffn_peer_fails_the_attention_wait_within_the_detection_bound(transport: str):
+    """The FFN process of a real pair is SIGKILLed while its attention peer waits for
+    the F2A answer: the broken pair (shm: the wake-up socket's end of file; gloo: the
+    TCP connection closed by the kernel) fails the wait within `DETECT_S`, far below
+    the pair's 30 s timeout; the heartbeat is only the fallback for a hung peer."""
+    spawn = mp.get_context("spawn")
+    addresses, received = spawn.Queue(), spawn.Queue()
+    child = spawn.Process(target=_serve_until_killed, args=(addresses, received))
+    child.start()
+    try:
+        attention = AttentionChannel(addresses.get(timeout=60), 0, 0, transport, timeout_s=30)
+        attention.send_header(4)
+        failed: list[float] = []
+
+        def wait_for_answer() -> None:
+            try:
+                attention.exchange(torch.randn(4, H))
+            except PeerLostError:
+                failed.append(time.monotonic())
+
+        waiter = threading.Thread(target=wait_for_answer)
+        waiter.start()
+        assert received.get(timeout=30) == 4  # the A2F arrived: the attention side waits for F2A now
+        time.sleep(0.2)
+        child.kill()
+        killed = time.monotonic()
+        waiter.join(30)
+        assert failed and failed[0] - killed < DETECT_S, failed
+        attention.close()
+    finally:
+        child.kill()
+        child.join(10)
 
 
 def _open_fds() -> int:

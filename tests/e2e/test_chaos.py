@@ -19,7 +19,12 @@ What is checked, per FFN kill:
 - the layout is whole again (FFN target serving, the attention ranks READY on live
   FFN peers), `/afd/status` no longer lists the lost rank (the loss stays in
   `recoveries`), and a new request equals the unfailed run.
-The figures are printed (run with -s to see them).
+
+The bounds are asserted: the fault landed mid-stream (every stream has tokens before
+and after its longest gap, and that gap ends after the fault), the pause (the longest
+gap between two tokens of a stream) and the time until the layout is whole again.
+"The unfailed run" is plain vLLM's greedy output of the same checkpoint (float32),
+not an AFD run. The figures are also printed (run with -s to see them).
 """
 
 from __future__ import annotations
@@ -37,16 +42,49 @@ import pytest
 import ray
 from ray import serve
 from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+from vllm import SamplingParams
 
 from afd_ray.models.tiny import build_tiny
 from afd_ray.serve.app import build_app
+from plain_engine import plain_llm
 
 NAME = "chaos"
 PREFIX = f"/{NAME}"
 PROMPTS = ["The quick brown fox", "def main():", "Hello, my name is", "import os"]
 MAX_TOKENS = 64
+MAX_MODEL_LEN = 512
 KILLS = 2
 WHOLE_WITHIN_S = 300
+"""Cap on waiting for a whole layout where a test only needs one (not a bound it asserts)."""
+PAUSE_WITHIN_S = 20.0
+"""Bound on the pause of a stream through an FFN SIGKILL without a standby rank (1A:1F)
+on the 2-core CI machine: Serve finds the replica dead,
+starts a replacement (a new process that imports torch and vLLM, then loads its
+shard), the coordinator re-forms the layout and the attention rank repeats
+its layer there. Issue 33 asks for 10 s: most of the pause is the replacement's start,
+which only a standby rank avoids."""
+FFN_WHOLE_WITHIN_S = 40.0
+"""Bound on the layout being whole again after an FFN SIGKILL (from the kill)."""
+EP2_PAUSE_WITHIN_S = 30.0
+"""Bound on the pause through an FFN SIGKILL at 2A:2F EP2: as at 1A:1F, plus the
+survivor's failed EP collective, and the EP group re-formed with the replacement."""
+EP2_WHOLE_WITHIN_S = 60.0
+"""Bound on 2A:2F EP2 being whole again after that kill (from the kill)."""
+MID_RECOVERY_PAUSE_WITHIN_S = 45.0
+"""Bound on the pause when the coordinator is killed in the middle of an FFN recovery
+(2A:2F EP2): Serve restarts the coordinator (a new process), the members rejoin it,
+then the recovery runs again."""
+MID_RECOVERY_WHOLE_WITHIN_S = 90.0
+"""Bound on the layout being whole again after that double fault (from the FFN kill)."""
+UNAFFECTED_PAUSE_WITHIN_S = 5.0
+"""Bound on the longest gap of streams through a coordinator SIGKILL: the data path
+bypasses the coordinator, so the streams only share the cores with its restart."""
+RESUME_PAUSE_WITHIN_S = 10.0
+"""Bound on the pause of streams moved to another attention rank after theirs was
+SIGKILLed: up to 5 moves after 0.5 s x the attempt number, then the re-prefill."""
+ATTENTION_WHOLE_WITHIN_S = 90.0
+"""Bound on 2A:2F being whole again after an attention SIGKILL: Serve's replacement
+rank starts its vLLM engine."""
 HEARTBEAT_S = 15
 """`ffn.heartbeat_timeout_s` of the app: how long the SIGSTOP test stops an FFN rank
 (the 30 s default guards a loading SmolLM2 rank on a loaded machine; this app's ranks
@@ -55,6 +93,9 @@ STOPPED_PAST_S = 10
 """How long the SIGSTOP test keeps the FFN rank stopped past `HEARTBEAT_S`: the
 coordinator checks every 0.5 s (`WATCH_PERIOD_S`); the rest is margin for a loaded
 machine."""
+STOPPED_READ_WITHIN_S = 3.0
+"""Bound on one read of `/afd/status`, or of the coordinator through its Serve handle,
+while an FFN rank is stopped (SIGSTOP)."""
 REPLACED_WITHIN_S = 60
 """Bound on Serve replacing a fenced FFN replica after SIGCONT: its next report (0.2 s)
 fences it, and 3 failed health checks (every 2 s) make Serve replace it."""
@@ -96,10 +137,26 @@ def _stream(http: httpx.Client, prompt: int, result: _Result) -> None:
 
 
 @pytest.fixture(scope="module")
-def chaos(serve_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
-    checkpoint = build_tiny("qwen3_moe", tmp_path_factory.mktemp("chaos") / "qwen3_moe")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny Qwen3-MoE checkpoint (float32) of this module's app."""
+    return str(build_tiny("qwen3_moe", tmp_path_factory.mktemp("chaos") / "qwen3_moe"))
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint: str) -> list[list[int]]:
+    """Plain vLLM's greedy ids of each prompt (`MAX_TOKENS`, EOS ignored), in this
+    process, computed before the app starts."""
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    with plain_llm(checkpoint, MAX_MODEL_LEN, 1 << 27) as llm:
+        return [list(out.outputs[0].token_ids) for out in llm.generate(PROMPTS, greedy, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def chaos(serve_url: str, checkpoint: str, reference: list[list[int]]) -> Iterator[httpx.Client]:
+    """The app (1A:1F to start, up to 2A:2F), deployed once plain vLLM's reference is
+    computed (one engine at a time on the 2-core machine)."""
     args = {
-        "model": {"source": str(checkpoint), "served_name": "tiny", "max_model_len": 512},
+        "model": {"source": checkpoint, "served_name": "tiny", "max_model_len": MAX_MODEL_LEN},
         "attention": {
             "num_ranks": 1,
             "max_ranks": 2,
@@ -116,18 +173,6 @@ def chaos(serve_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
             yield http
     finally:
         serve.delete(NAME)
-
-
-@pytest.fixture(scope="module")
-def reference(chaos: httpx.Client) -> list[list[int]]:
-    """The unfailed run: each prompt's greedy tokens, streamed alone."""
-    tokens = []
-    for prompt in range(len(PROMPTS)):
-        result = _Result()
-        _stream(chaos, prompt, result)
-        assert result.error is None and len(result.tokens) == MAX_TOKENS, result
-        tokens.append(result.tokens)
-    return tokens
 
 
 def _wait_tokens(results: list[_Result], within_s: float = 60) -> None:
@@ -201,6 +246,19 @@ def _whole(http: httpx.Client) -> bool:
     )
 
 
+def _pause_s(results: list[_Result], fault_at: float, paused: bool = True) -> float:
+    """The pause through a fault at monotonic `fault_at`: the longest gap between two
+    tokens of any stream. Asserts that the fault landed mid-stream: every stream has
+    tokens before and after it; with `paused` (a fault every stream waits through),
+    each stream's longest gap ends after the fault, with tokens before and after it."""
+    for i, result in enumerate(results):
+        assert result.times[0] < fault_at < result.times[-1], (i, "not mid-stream", fault_at, result.times)
+        if paused:
+            _, k = max((b - a, k) for k, (a, b) in enumerate(zip(result.times, result.times[1:])))
+            assert result.times[k + 1] > fault_at, (i, "the longest gap ended before the fault", result.times)
+    return max(b - a for r in results for a, b in zip(r.times, r.times[1:]))
+
+
 def _sigkill(chaos: httpx.Client, pid: int) -> None:
     os.kill(pid, signal.SIGKILL)
 
@@ -213,17 +271,32 @@ def _stop_past_heartbeat(chaos: httpx.Client, pid: int) -> None:
     fencing it kept its replica, its loop and its attention pair under its old epoch,
     and no replacement started.
 
-    `/afd/status` is not read while the rank is stopped: in 2 of 4 full-suite runs
-    (CI and here, 2026-12-03) the ingress's calls to the coordinator went unanswered
-    from the SIGSTOP on, for 30 s and more, while the coordinator's own event loop ran
-    (it logged the rank dead on time, and `LoopWatch` saw no stall); the cause, in
-    Ray Serve's call path, is not found yet."""
+    While the rank is stopped, `/afd/status` and the coordinator (its Serve handle)
+    are read every second, and each read must answer within `STOPPED_READ_WITHIN_S`:
+    no call from a stopped member may hold the coordinator."""
     recoveries = len(_read_status(chaos)["recoveries"])
+    coordinator = serve.get_deployment_handle("coordinator", NAME)
     os.kill(pid, signal.SIGSTOP)
+    stopped = time.monotonic()
+    reads: list[tuple[float, str, float]] = []  # (since the stop, what answered, seconds taken)
+
+    def read(what: str, call: Callable[[], object]) -> None:
+        start = time.monotonic()
+        try:
+            answer = call()
+        except Exception as exc:  # noqa: BLE001 - recorded, asserted below
+            answer = type(exc).__name__
+        reads.append((round(start - stopped, 1), f"{what}: {answer}", round(time.monotonic() - start, 2)))
+
     try:
-        time.sleep(HEARTBEAT_S + STOPPED_PAST_S)
+        while time.monotonic() - stopped < HEARTBEAT_S + STOPPED_PAST_S:
+            read("http", lambda: chaos.get("/afd/status", timeout=STOPPED_READ_WITHIN_S).status_code)
+            read("handle", lambda: type(coordinator.status.remote().result(timeout_s=STOPPED_READ_WITHIN_S)).__name__)
+            time.sleep(0.5)
     finally:
         os.kill(pid, signal.SIGCONT)
+    answered = {"http: 200", "handle: AFDStatus"}
+    assert all(what in answered and took <= STOPPED_READ_WITHIN_S for _, what, took in reads), reads
     deadline = time.monotonic() + STATUS_WITHIN_S
     while len(_read_status(chaos)["recoveries"]) == recoveries:
         assert time.monotonic() < deadline, "the stopped FFN rank was not found dead"
@@ -239,10 +312,13 @@ def _kill_ffn(
     reference: list[list[int]],
     pid: int,
     fault: Callable[[httpx.Client, int], None] = _sigkill,
+    pause_within_s: float = PAUSE_WITHIN_S,
+    whole_within_s: float = FFN_WHOLE_WITHIN_S,
 ) -> dict:
     """`fault` FFN process `pid` (SIGKILL it) while 4 greedy streams run; check that
-    each equals the unfailed run, that the layout becomes whole again and that the
-    lost rank is then no longer listed; returns the figures."""
+    each equals the unfailed run, that the fault landed mid-stream, that the pause is
+    at most `pause_within_s`, that the layout is whole again within `whole_within_s`
+    of the fault and that the lost rank is then no longer listed; returns the figures."""
     recoveries = len(_read_status(chaos)["recoveries"])
     results = [_Result() for _ in PROMPTS]
     threads = [threading.Thread(target=_stream, args=(chaos, i, r)) for i, r in enumerate(results)]
@@ -267,6 +343,7 @@ def _kill_ffn(
     assert all(r.status_code == 503 and r.headers.get("retry-after") for r in refused), [
         (r.status_code, r.text[:200]) for r in refused
     ]
+    pause_s = _pause_s(results, killed)
     after = _Result()
     _stream(chaos, 0, after)
     assert after.error is None and after.tokens == reference[0], after
@@ -275,12 +352,13 @@ def _kill_ffn(
     event = status["recoveries"][-1]
     assert event["error"] is None and event["whole_s"] is not None, event
     assert not set(event["lost"]) & {m["rank"] for m in status["ffn"]}, status["ffn"]  # listed only while recovering
-    gaps = [b - a for r in results for a, b in zip(r.times, r.times[1:])]
+    # the event splits the time: detection (`since_report_s`), then FFN layout serving again (`whole_s`)
+    assert pause_s <= pause_within_s and whole_s <= whole_within_s, (pause_s, whole_s, event)
     return {
         "lost": event["lost"],
         "completed": sum(r.error is None for r in results),
         "ended_with_error": sum(r.error is not None for r in results),
-        "max_gap_s": round(max(gaps, default=0.0), 3),
+        "max_gap_s": round(pause_s, 3),
         "detected_after_s": round(event["since_report_s"], 3),
         "cause": event["cause"],
         "ffn_layout_back_s": round(event["whole_s"], 1),
@@ -329,6 +407,8 @@ def test_coordinator_sigkill_does_not_stop_serving(chaos: httpx.Client, referenc
         thread.join(120)
     assert not any(thread.is_alive() for thread in threads), "a stream hung"
     assert [r.tokens for r in results] == reference and all(r.error is None for r in results), results
+    pause_s = _pause_s(results, killed, paused=False)
+    assert pause_s <= UNAFFECTED_PAUSE_WITHIN_S, pause_s
     while True:  # bounded: wait until the members have rejoined the new coordinator
         after = _status(chaos)
         if after is not None and _membership(after) == _membership(before) and _whole(chaos):
@@ -339,7 +419,7 @@ def test_coordinator_sigkill_does_not_stop_serving(chaos: httpx.Client, referenc
     again = _Result()
     _stream(chaos, 1, again)
     assert again.error is None and again.tokens == reference[1], again
-    print(f"\ncoordinator SIGKILL: streams unaffected, members rejoined within {rejoined_s:.1f} s")
+    print(f"\ncoordinator SIGKILL: longest gap {pause_s:.2f} s, members rejoined within {rejoined_s:.1f} s")
 
 
 def test_ffn_sigstop_past_the_heartbeat_is_fenced_and_replaced(chaos: httpx.Client, reference: list[list[int]]) -> None:
@@ -350,7 +430,15 @@ def test_ffn_sigstop_past_the_heartbeat_is_fenced_and_replaced(chaos: httpx.Clie
     replica, its loop and its attention pair under its old epoch while `/afd/status`
     listed it `gone`, and 60 s after SIGCONT Serve still ran it."""
     pid = _pid("ffn")
-    row = _kill_ffn(chaos, reference, pid, fault=_stop_past_heartbeat)
+    stopped_s = HEARTBEAT_S + STOPPED_PAST_S  # the streams pause at least this long
+    row = _kill_ffn(
+        chaos,
+        reference,
+        pid,
+        fault=_stop_past_heartbeat,
+        pause_within_s=stopped_s + PAUSE_WITHIN_S,
+        whole_within_s=stopped_s + REPLACED_WITHIN_S + FFN_WHOLE_WITHIN_S,
+    )
     assert "ffn.heartbeat_timeout_s" in row["cause"], row
     assert pid not in _pids("ffn")
     print("\nFFN SIGSTOP past the heartbeat, then SIGCONT (1A:1F): " + json.dumps(row))
@@ -392,7 +480,9 @@ def test_ep2_ffn_sigkill_the_survivor_reforms_the_ep_group(chaos: httpx.Client, 
     sampler = threading.Thread(target=sample)
     sampler.start()
     try:
-        row = _kill_ffn(chaos, reference, _pids("ffn")[0])
+        row = _kill_ffn(
+            chaos, reference, _pids("ffn")[0], pause_within_s=EP2_PAUSE_WITHIN_S, whole_within_s=EP2_WHOLE_WITHIN_S
+        )
     finally:
         done.set()
         sampler.join()
@@ -442,10 +532,12 @@ def test_ep2_coordinator_sigkill_mid_recovery_reforms_the_layout(
     assert not any(thread.is_alive() for thread in threads), "a stream hung"
     for prompt, result in enumerate(results):
         assert result.error is None and result.tokens == reference[prompt], (prompt, result)
+    pause_s = _pause_s(results, killed)
     while not _whole(chaos):
         assert time.monotonic() - killed < WHOLE_WITHIN_S, _status(chaos)
         time.sleep(0.5)
     whole_s = time.monotonic() - killed
+    assert pause_s <= MID_RECOVERY_PAUSE_WITHIN_S and whole_s <= MID_RECOVERY_WHOLE_WITHIN_S, (pause_s, whole_s)
     after = _read_status(chaos)
     (lost,) = event["lost"]
     ranks = {m["rank"]: m["ep_rank"] for m in after["ffn"] if m["state"] == "ready"}
@@ -456,10 +548,9 @@ def test_ep2_coordinator_sigkill_mid_recovery_reforms_the_layout(
     again = _Result()
     _stream(chaos, 2, again)
     assert again.error is None and again.tokens == reference[2], again
-    gaps = [b - a for r in results for a, b in zip(r.times, r.times[1:])]
     print(
         f"\nFFN + coordinator SIGKILL mid-recovery (2A:2F EP2): FFN rank {lost} lost, replacement rank "
-        f"{replacement}; streams equal to the unfailed run, longest gap {max(gaps):.1f} s; whole again "
+        f"{replacement}; streams equal to the unfailed run, longest gap {pause_s:.1f} s; whole again "
         f"{whole_s:.1f} s after the FFN kill; restarted coordinator's record: {json.dumps(reformed)}"
     )
 
@@ -488,18 +579,20 @@ def test_attention_sigkill_streams_resume_on_another_rank(chaos: httpx.Client, r
     assert not any(thread.is_alive() for thread in threads), "a stream hung"
     for i, result in enumerate(results):
         assert result.error is None and result.tokens == reference[i % len(PROMPTS)], (i, result)
-    gaps = [b - a for r in results for a, b in zip(r.times, r.times[1:])]
+    pause_s = _pause_s(results, killed, paused=False)  # only the killed rank's streams pause
     status = _read_status(chaos)
     resumed = status["admission"]["resumed"] - resumed_before
     deadline = time.monotonic() + WHOLE_WITHIN_S  # Serve's replacement rank READY (no replica left starting)
     while not _whole(chaos):
         assert time.monotonic() < deadline, _status(chaos)
         time.sleep(0.5)
+    whole_s = time.monotonic() - killed
     print(
         f"\nattention SIGKILL (2A:2F): {resumed} of {ATTENTION_STREAMS} streams resumed on the other rank, "
-        f"all equal to the unfailed run; longest inter-token gap {max(gaps):.2f} s; "
+        f"all equal to the unfailed run; longest inter-token gap {pause_s:.2f} s; "
         f"FFN recoveries meanwhile: {len(status['recoveries']) - recoveries}; "
-        f"2A:2F whole again {time.monotonic() - killed:.1f} s after the kill"
+        f"2A:2F whole again {whole_s:.1f} s after the kill"
     )
+    assert pause_s <= RESUME_PAUSE_WITHIN_S and whole_s <= ATTENTION_WHOLE_WITHIN_S, (pause_s, whole_s)
     assert resumed >= 1  # streams ran on the killed rank (Serve spreads them over both)
     assert len(status["recoveries"]) == recoveries, status["recoveries"][recoveries:]  # no FFN rank was lost
