@@ -1,8 +1,6 @@
 """The planner's model, its ranking and its inputs (no cluster, no engine).
 
-The CPU profile and the model's equal-resources prediction against measured runs:
-tests/plan/test_equal_resources.py; the planner against a measured sweep:
-tests/examples/test_notebooks.py.
+The planner against a measured sweep: tests/examples/test_notebooks.py.
 """
 
 from __future__ import annotations
