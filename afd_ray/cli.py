@@ -32,7 +32,7 @@ from pathlib import Path
 
 from afd_ray.argtypes import http_url, positive, positive_int
 from afd_ray.config import EMBEDDED_MODELS
-from afd_ray.config.check import ClusterResources, file_errors
+from afd_ray.serve.check import ClusterResources, file_errors
 from afd_ray.models import FAMILIES
 from afd_ray.observability.cli import add_dashboards, add_trace
 from afd_ray.plan.cli import add_plan, add_profile

@@ -10,7 +10,7 @@ import yaml
 
 from afd_ray.cli import main
 from afd_ray.config import AFDConfig
-from afd_ray.config.check import ClusterResources, fp8_device_errors
+from afd_ray.serve.check import ClusterResources, fp8_device_errors
 
 ROOT = Path(__file__).parents[1]
 SHIPPED = sorted((ROOT / "deployments").glob("*.yaml"))

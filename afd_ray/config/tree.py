@@ -17,7 +17,7 @@ __all__ = ["FP8_PLATFORMS", "AFDConfig"]
 
 FP8_PLATFORMS = ("cuda",)
 """Platforms with vLLM FP8 kernels for both roles (`model.quantization: fp8`); the GPU
-must also have compute capability >= 8.9 (`afd_ray.config.check.FP8_CAPABILITY`)."""
+must also have compute capability >= 8.9 (`afd_ray.serve.check.FP8_CAPABILITY`)."""
 
 
 class AFDConfig(Section):

@@ -10,7 +10,7 @@ from afd_ray.attention.server import AttentionServer
 from afd_ray.autoscale.loader import load_policy
 from afd_ray.autoscale.schema import AutoscalePolicy
 from afd_ray.config import AFDConfig, IngressPlacement, PoolPlacement
-from afd_ray.config.check import ClusterResources, fp8_device_errors
+from afd_ray.serve.check import ClusterResources, fp8_device_errors
 from afd_ray.control.coordinator import (
     ATTENTION_DEPLOYMENT,
     FFN_DEPLOYMENT,
@@ -71,7 +71,7 @@ def build_app(args: dict[str, object]) -> Application:
     `serve run FILE.yaml` does not exit when this raises: Ray 2.60 builds the app in a
     task of its controller, marks it DEPLOY_FAILED after retries, and `serve run`
     sleeps on whatever the app's state; run `afd-ray check FILE.yaml` first
-    (`afd_ray.config.check`, the same checks, every error with its key path).
+    (`afd_ray.serve.check`, the same checks, every error with its key path).
     """
     cfg = AFDConfig.model_validate(args)
     check_gate_placement(cfg.model, cfg.gate_placement)
