@@ -185,6 +185,16 @@ def test_an_engine_arg_value_must_fit_vllms_type(engine: dict[str, object], key:
         AFDConfig.model_validate({"attention": {"engine_args": engine}})
 
 
+def test_every_engine_arg_value_of_the_wrong_type_is_named() -> None:
+    """Two wrong values give two messages, not the first one only (fresh-user trial,
+    2026-12-07: `{seed: "7", block_size: "16"}` named only `block_size`)."""
+    with pytest.raises(ValidationError) as error:
+        AFDConfig.model_validate({"attention": {"engine_args": {"seed": "7", "block_size": "16"}}})
+    message = str(error.value)
+    assert "attention.engine_args.seed: '7' does not fit vLLM's type" in message
+    assert "attention.engine_args.block_size: '16' does not fit vLLM's type" in message
+
+
 def test_fp8_is_refused_before_deploy_on_cpu_and_taken_on_cuda() -> None:
     with pytest.raises(
         ValidationError, match=r"model\.quantization: fp8 needs FP8 kernels, .* platform cuda .* not cpu"

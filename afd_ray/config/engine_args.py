@@ -140,10 +140,11 @@ def check_engine_arg_values(args: dict[str, JsonValue], where: str) -> dict[str,
         where: the key path of `args` in the config tree, for messages.
 
     Raises:
-        ValueError: a value of another type (strict: no `"7"` for an integer); the
-            message starts with the key path (`attention.engine_args.seed: ...`) and
-            gives vLLM's annotation.
+        ValueError: every value of another type (strict: no `"7"` for an integer),
+            joined by "; "; each starts with its key path
+            (`attention.engine_args.seed: ...`) and gives vLLM's annotation.
     """
+    problems = []
     for name, value in args.items():
         adapter = _value_adapter(name)
         if adapter is None:
@@ -153,5 +154,7 @@ def check_engine_arg_values(args: dict[str, JsonValue], where: str) -> dict[str,
         except ValidationError:
             hint = vllm_engine_fields()[name].type
             shown = hint.__name__ if isinstance(hint, type) else str(hint)
-            raise ValueError(f"{where}.{name}: {value!r} does not fit vLLM's type {shown}") from None
+            problems.append(f"{where}.{name}: {value!r} does not fit vLLM's type {shown}")
+    if problems:
+        raise ValueError("; ".join(problems))
     return args
