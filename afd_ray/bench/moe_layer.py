@@ -44,7 +44,7 @@ from afd_ray.ffn.model import FFNStack
 from afd_ray.layers.moe import MoE
 from afd_ray.layers.routing import Routing
 
-__all__ = ["main", "moe_shapes", "random_fill"]
+__all__ = ["graph_replay", "main", "median_ms", "moe_shapes", "random_fill"]
 
 _DTYPE = torch.bfloat16
 _REL_TOLERANCE = 2e-2
@@ -114,7 +114,7 @@ def _moe_block(config: PretrainedConfig, device: torch.device) -> MoE:
     return block
 
 
-def _median_ms(fn: Callable[[], object], iters: int) -> float:
+def median_ms(fn: Callable[[], object], iters: int) -> float:
     for _ in range(3):
         fn()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
@@ -126,7 +126,7 @@ def _median_ms(fn: Callable[[], object], iters: int) -> float:
     return statistics.median(start.elapsed_time(end) for start, end in events)
 
 
-def _graph(fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
+def graph_replay(fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
     """`fn` captured once (after two eager warm-ups on a side stream); the replay and
     its static output."""
     stream = torch.cuda.Stream()
@@ -145,7 +145,7 @@ def copy_bandwidth(device: torch.device, gib: int = 4) -> float:
     """Device-to-device copy rate, bytes read + written per second."""
     src = torch.empty(gib << 30, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    ms = _median_ms(lambda: dst.copy_(src), 10)
+    ms = median_ms(lambda: dst.copy_(src), 10)
     return 2 * (gib << 30) / (ms / 1e3)
 
 
@@ -180,25 +180,25 @@ def run(args: argparse.Namespace) -> dict:
                 rows = x.float().unsqueeze(1).expand(-1, routing.ids.shape[1], -1).reshape(-1, x.shape[1])
                 reference = _float32_experts(block, rows, routing).double()
                 rel = float((fused - reference).norm() / reference.norm())
-                replay, static = _graph(lambda: block(x))
+                replay, static = graph_replay(lambda: block(x))
                 replay()
                 torch.cuda.synchronize()
                 eager = block(x)
                 graph_equals_eager = bool(torch.equal(static, eager))
-                serial_replay, serial = _graph(lambda: _serial_layer(block, x))
+                serial_replay, serial = graph_replay(lambda: _serial_layer(block, x))
                 serial_replay()
                 torch.cuda.synchronize()
                 overlap_equals_serial = bool(torch.equal(static, serial))
-                fused_ms = _median_ms(replay, args.iters)
+                fused_ms = median_ms(replay, args.iters)
                 parts_ms = {
-                    "serial": _median_ms(serial_replay, args.iters),
-                    "route": _median_ms(_graph(lambda: block.route(x).weights)[0], args.iters),
-                    "routed": _median_ms(_graph(lambda: block.routed_fused(x, routing))[0], args.iters),
+                    "serial": median_ms(serial_replay, args.iters),
+                    "route": median_ms(graph_replay(lambda: block.route(x).weights)[0], args.iters),
+                    "routed": median_ms(graph_replay(lambda: block.routed_fused(x, routing))[0], args.iters),
                 }
                 if block.shared_experts is not None:
-                    parts_ms["shared"] = _median_ms(_graph(lambda: block.shared_experts(x))[0], args.iters)
-                grouped_replay, _ = _graph(lambda: _grouped_layer(block, x))
-                grouped_ms = _median_ms(grouped_replay, args.iters)
+                    parts_ms["shared"] = median_ms(graph_replay(lambda: block.shared_experts(x))[0], args.iters)
+                grouped_replay, _ = graph_replay(lambda: _grouped_layer(block, x))
+                grouped_ms = median_ms(grouped_replay, args.iters)
             record = {
                 "fused_rel_err_vs_fp32": rel,
                 "graph_equals_eager": graph_equals_eager,
@@ -260,8 +260,8 @@ def sweep(block: MoE, hidden_size: int, tokens_list: list[int], iters: int, devi
                 try:
                     with override_config(config):
                         got = block.routed_fused(x, routing).double()
-                        replay, _ = _graph(lambda: block.routed_fused(x, routing))
-                        ms = _median_ms(replay, iters)
+                        replay, _ = graph_replay(lambda: block.routed_fused(x, routing))
+                        ms = median_ms(replay, iters)
                     rel = float((got - reference).norm() / reference.norm())
                     timings[name] = {"ms": ms, "rel_vs_default": rel}
                 except Exception as exc:  # a config the kernel rejects (resources): recorded

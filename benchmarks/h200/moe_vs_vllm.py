@@ -29,12 +29,13 @@ import argparse
 import gc
 import json
 import os
-import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from afd_ray.bench.moe_layer import graph_replay, median_ms
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: hooks see it
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # apply_model with a closure
@@ -43,34 +44,10 @@ SHAPES = ("deepseek-v2-lite", "qwen3-30b-a3b")
 REL_BOUND = 2e-2
 """Bound on ||afd - vllm|| / ||vllm||: bfloat16 GEMMs, the fused kernel's bfloat16 sum of
 a token's k rows, and the shared experts' sum."""
+ITERS = 50
+"""Timed CUDA graph replays per layer and rows (median)."""
 PROMPT_TOKENS = 5
 """Tokens per prompt: a prefill of T x 5 rows never has T' rows for another measured T'."""
-
-
-def _median_ms(replay: Callable[[], None], iters: int = 50) -> float:
-    for _ in range(5):
-        replay()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    for start, end in events:
-        start.record()
-        replay()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(start.elapsed_time(end) for start, end in events)
-
-
-def _graph(call: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
-    """`call` warmed up on a side stream and captured once: the replay and its output."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call()
-        call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = call()
-    return graph.replay, out
 
 
 def _afd_block(vllm_block: torch.nn.Module, config) -> torch.nn.Module:
@@ -149,16 +126,16 @@ class _Probe:
             ours = afd(x)
             rel_err = float((ours.float() - theirs.float()).norm() / theirs.float().norm().clamp_min(1e-30))
             routing = afd.route(x)
-            vllm_replay, vllm_out = _graph(vllm_call(x))
-            afd_replay, afd_out = _graph(lambda x=x: afd(x))
+            vllm_replay, vllm_out = graph_replay(vllm_call(x))
+            afd_replay, afd_out = graph_replay(lambda x=x: afd(x))
             vllm_replay()
             afd_replay()
             torch.cuda.synchronize()
             graph_rel_err = float(
                 (afd_out.float() - vllm_out.float()).norm() / vllm_out.float().norm().clamp_min(1e-30)
             )
-            vllm_ms = _median_ms(vllm_replay)
-            afd_ms = _median_ms(afd_replay)
+            vllm_ms = median_ms(vllm_replay, ITERS)
+            afd_ms = median_ms(afd_replay, ITERS)
             record.update(
                 {
                     f"{name}rel_err": rel_err,
