@@ -44,18 +44,19 @@ models: install
 # address recorded by an earlier `ray start`), with its dashboard and Jobs API on
 # 127.0.0.1:8265; the venv's bin comes first on PATH, so a Ray job's `python ...`
 # entrypoint runs the project's Python. `afd-ray check` first: `serve run` of a config
-# that fails validation keeps running (docs/configuration.md, Validation).
+# that fails validation keeps running (docs/configuration.md, Validation). HAProxy runs
+# without kernel splicing (afd_ray/serve/ingress_env.py haproxy_without_splice).
 serve: install
 	$(VENV)/bin/afd-ray models prepare smollm2
 	$(VENV)/bin/afd-ray check --offline deployments/afd.yaml
-	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/serve run --address local deployments/afd.yaml
+	PATH="$(abspath $(VENV))/bin:$$PATH" RAY_SERVE_HAPROXY_BINARY_PATH="$$($(PY) -m afd_ray.serve.ingress_env)" $(VENV)/bin/serve run --address local deployments/afd.yaml
 
 # The MoE demo: SmolLM2 upcycled into Mixtral on 2 attention and 2 FFN ranks (EP2), the
 # same local cluster, environment and port as `serve`.
 serve-moe: install
 	$(VENV)/bin/afd-ray models prepare smollm2-moe
 	$(VENV)/bin/afd-ray check --offline deployments/afd-moe.yaml
-	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/serve run --address local deployments/afd-moe.yaml
+	PATH="$(abspath $(VENV))/bin:$$PATH" RAY_SERVE_HAPROXY_BINARY_PATH="$$($(PY) -m afd_ray.serve.ingress_env)" $(VENV)/bin/serve run --address local deployments/afd-moe.yaml
 
 test: models
 	# Debian's prometheus, for the real-Prometheus test (tests/e2e/test_resize.py).

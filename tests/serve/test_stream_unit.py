@@ -1,7 +1,8 @@
 """The typed stream without Ray: an attention rank reads vLLM's SSE text once into
 typed items (`afd_ray.attention.responses`), the ingress frames them again
 (`afd_ray.serve.stream`, `afd_ray.serve.errors.sse_error`): the client gets vLLM's
-bytes; a drained stream ends with a typed error."""
+bytes; a drained stream ends with a typed error; a request whose rank died before
+answering gets 503."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import asyncio
 import json
 from collections.abc import AsyncGenerator
 
+from ray.exceptions import ActorDiedError
 from vllm.entrypoints.openai.chat_completion.protocol import (
     ChatCompletionResponseStreamChoice,
     ChatCompletionStreamResponse,
@@ -23,6 +25,8 @@ from afd_ray.attention.chunks import StreamError, StreamEvent
 from afd_ray.attention.responses import drain_error, relay, until_drained
 from afd_ray.compat import ErrorInfo, ErrorResponse
 from afd_ray.serve.errors import sse_error
+from afd_ray.serve.gate import Pass, Ticket
+from afd_ray.serve.stream import Source, respond
 
 _CHOICE = {"index": 0, "text": "é x", "logprobs": None, "finish_reason": None, "stop_reason": None}
 _COMPLETION = CompletionStreamResponse(
@@ -118,3 +122,23 @@ def test_a_drained_stream_ends_with_a_typed_error() -> None:
     assert "attention rank 3" in streamed[-1].error.error.message
     whole = asyncio.run(run(stream=False))
     assert isinstance(whole[-1], ErrorResponse) and whole[-1].error.code == 503
+
+
+def test_a_request_whose_rank_died_before_answering_gets_503_with_retry_after() -> None:
+    """A non-streaming request whose attention rank died (Ray's `ActorDiedError` from the
+    call) cannot move: 503 with `Retry-After`, and its place is given back. It was a 500
+    before (found by tests/e2e/test_soak.py's attention SIGKILL)."""
+
+    class DeadRank:  # the attention pool's handle, its replica killed mid-request
+        def remote(self, request: object) -> AsyncGenerator[object, None]:
+            async def answer() -> AsyncGenerator[object, None]:
+                raise ActorDiedError()
+                yield
+
+            return answer()
+
+    released: list[bool] = []
+    source = Source(DeadRank(), object(), None, lambda: None)
+    response = asyncio.run(respond(source, Pass(Ticket(released.append), None, None), 2))
+    assert response.status_code == 503 and response.headers["retry-after"] == "2", response.body
+    assert "ActorDiedError" in json.loads(response.body)["error"]["message"] and released == [False]
