@@ -3,6 +3,7 @@ status 1 on an error; the pools against a running Ray cluster only where one run
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -124,3 +125,90 @@ def test_fp8_is_refused_on_gpus_without_fp8_kernels() -> None:
     )
     assert fp8_device_errors(cfg, cluster("H100"), prefix="") == []
     assert fp8_device_errors(AFDConfig.model_validate({"platform": "cuda"}), cluster("A100")) == []
+
+
+def test_a_value_error_beside_an_unknown_and_an_owned_key_is_printed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by a fresh-user trial: the wrong-type `seed` was dropped when an unknown
+    key sat beside it (the key check failed first and the value check never ran)."""
+    engine = {"seed": "7", "enable_prefix_cachin": True, "max_model_len": 4096, "block_size": "16"}
+    path = _app_file(tmp_path, attention={"engine_args": engine})
+    status, out, err = _check(capsys, str(path), "--offline")
+    assert status == 1 and out == ""
+    lines = err.splitlines()
+    where = f"{path}: {APP}.attention.engine_args"
+    for start in (
+        f"{where}.seed: '7' does not fit vLLM's type",
+        f"{where}.block_size: '16' does not fit vLLM's type",
+        f"{where}.enable_prefix_cachin: 'enable_prefix_cachin' is not an engine argument",
+        f"{where}.max_model_len: 'max_model_len' is owned by afd_ray",
+    ):
+        assert sum(line.startswith(start) for line in lines) == 1, (start, err)
+    assert lines[-1] == f"afd-ray: error: {path}: 4 errors"
+
+
+def _bad_policy(tmp_path: Path) -> Path:
+    """deployments/autoscale.yaml with two bad fields, one in each pool."""
+    policy = yaml.safe_load((ROOT / "deployments" / "autoscale.yaml").read_text())
+    policy["attention"]["scale_in_cooldown_s"] = -1
+    policy["ffn"]["step"] = 0
+    path = tmp_path / "policy.yaml"
+    path.write_text(yaml.safe_dump(policy))
+    return path
+
+
+def test_policy_errors_are_printed_one_per_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by a fresh-user trial: a policy's errors came joined on one line."""
+    policy = _bad_policy(tmp_path)
+    status, _, err = _check(capsys, str(policy), "--offline")
+    assert status == 1
+    lines = err.splitlines()
+    assert f"{policy}: attention.scale_in_cooldown_s: Input should be greater than or equal to 0" in lines, err
+    assert f"{policy}: ffn.step: Input should be greater than or equal to 1" in lines, err
+    assert lines[-1] == f"afd-ray: error: {policy}: 2 errors"
+
+    app = _app_file(tmp_path, autoscale={"policy": str(policy)})
+    status, _, err = _check(capsys, str(app), "--offline")
+    assert status == 1
+    lines = err.splitlines()
+    where = f"{app}: {APP}.autoscale.policy: {policy}"
+    assert f"{where}: attention.scale_in_cooldown_s: Input should be greater than or equal to 0" in lines, err
+    assert f"{where}: ffn.step: Input should be greater than or equal to 1" in lines, err
+    assert lines[-1] == f"afd-ray: error: {app}: 2 errors"
+
+
+def test_a_quantized_checkpoint_is_refused_naming_its_quantization_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The FFN role loads model-dtype experts only (FP8 ones it makes itself)."""
+    folder = tmp_path / "fp8-checkpoint"
+    folder.mkdir()
+    quantized = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "quantization_config": quantized}))
+    path = _app_file(tmp_path, model={"source": str(folder)})
+    status, _, err = _check(capsys, str(path), "--offline")
+    assert status == 1
+    assert (
+        f"{path}: {APP}.model.source: '{folder}' is a quantized checkpoint (config.json quantization_config, "
+        "quant_method 'fp8')" in err
+    ), err
+    assert "serve the bf16/fp16 checkpoint with model.quantization: fp8" in err
+
+
+def test_a_value_out_of_vllms_config_bounds_is_caught(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by a fresh-user trial: `block_size: -5` passed the check and failed only at
+    engine start (vLLM's `CacheConfig` bounds it), leaving the app starting."""
+    path = _app_file(tmp_path, attention={"engine_args": {"block_size": -5, "max_num_batched_tokens": 0, "seed": 7}})
+    status, _, err = _check(capsys, str(path), "--offline")
+    assert status == 1
+    lines = err.splitlines()
+    where = f"{path}: {APP}.attention.engine_args"
+    assert f"{where}.block_size: -5 does not fit vLLM's CacheConfig.block_size: Input should be greater than 0" in lines
+    assert (
+        f"{where}.max_num_batched_tokens: 0 does not fit vLLM's SchedulerConfig.max_num_batched_tokens: "
+        "Input should be greater than or equal to 1" in lines
+    ), err
+    assert lines[-1] == f"afd-ray: error: {path}: 2 errors"
+    ok = _app_file(tmp_path, attention={"engine_args": {"block_size": 16, "max_num_batched_tokens": 512}})
+    assert _check(capsys, str(ok), "--offline")[0] == 0

@@ -25,6 +25,14 @@ graph per T.
    the HBM bandwidth measured in the same run (a device-to-device copy of 4 GiB,
    bytes read + written per second). At T >= 64 with top-6 every expert is hit, so
    every weight byte must be read once per layer call.
+
+`--quantization fp8` (`model.quantization: fp8`): the routed experts are quantized to
+FP8 once built (`afd_ray.layers.fp8.quantize_experts`, vLLM's dynamic per-tensor FP8
+MoE) and run vLLM's FP8 fused MoE kernels; the gate and the shared experts stay
+bfloat16, so the floor counts FP8 routed experts (1 byte per weight, plus a float32
+scale per expert and projection) and bfloat16 gate and shared experts. The oracle of
+step 1 is then the float32 loop on the dequantized FP8 weights (`_FP8_REL_TOLERANCE`:
+the activations are quantized to FP8 too), and the grouped GEMM path is not timed.
 """
 
 from __future__ import annotations
@@ -39,8 +47,10 @@ from pathlib import Path
 
 import torch
 from transformers import DeepseekV2Config, PretrainedConfig, Qwen3MoeConfig
+from transformers.activations import ACT2FN
 
 from afd_ray.ffn.model import FFNStack
+from afd_ray.layers.fp8 import Fp8Experts, quantize_experts
 from afd_ray.layers.moe import MoE
 from afd_ray.layers.routing import Routing
 
@@ -50,6 +60,10 @@ _DTYPE = torch.bfloat16
 _REL_TOLERANCE = 2e-2
 """Bound on ||fused - grouped_fp32|| / ||grouped_fp32|| (bfloat16 GEMM outputs and the
 fused kernel's bfloat16 sum of a token's k rows)."""
+_FP8_REL_TOLERANCE = 1e-1
+"""The same bound with FP8 experts against the float32 loop on their dequantized
+weights: the kernel also quantizes its inputs and the gated activations to FP8 per
+tensor (3 mantissa bits: about 3% RMS relative error each)."""
 
 
 def moe_shapes() -> dict[str, PretrainedConfig]:
@@ -103,7 +117,7 @@ def random_fill(target: torch.Tensor, key: str) -> None:
         target.copy_(values * target.shape[-1] ** -0.5)
 
 
-def _moe_block(config: PretrainedConfig, device: torch.device) -> MoE:
+def _moe_block(config: PretrainedConfig, device: torch.device, quantization: str | None = None) -> MoE:
     with torch.device("meta"):
         stack = FFNStack(config, _DTYPE)
     stack.to_empty(device=device)
@@ -111,6 +125,8 @@ def _moe_block(config: PretrainedConfig, device: torch.device) -> MoE:
         random_fill(target, f"{layer}/{name}")
     block = stack.eval().layers[1]
     assert isinstance(block, MoE)
+    if quantization == "fp8":
+        block.experts = quantize_experts(block.experts, block.hidden_act)
     return block
 
 
@@ -155,6 +171,7 @@ def run(args: argparse.Namespace) -> dict:
         "gpu": torch.cuda.get_device_name(device),
         "torch": torch.__version__,
         "dtype": str(_DTYPE),
+        "quantization": args.quantization,
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
     }
     try:
@@ -167,10 +184,17 @@ def run(args: argparse.Namespace) -> dict:
     results["copy_bandwidth_tb_s"] = bandwidth / 1e12
     generator = torch.Generator(device).manual_seed(0)
     for name, config in moe_shapes().items():
-        block = _moe_block(config, device)
+        block = _moe_block(config, device, args.quantization)
         weight_bytes = sum(p.numel() * p.element_size() for p in block.parameters())
+        routed_bytes = sum(p.numel() * p.element_size() for p in block.experts.parameters())
         floor_ms = weight_bytes / bandwidth * 1e3
-        shape: dict = {"weight_bytes": weight_bytes, "floor_ms": floor_ms, "tokens": {}}
+        tolerance = _REL_TOLERANCE if args.quantization is None else _FP8_REL_TOLERANCE
+        shape: dict = {
+            "weight_bytes": weight_bytes,
+            "routed_weight_bytes": routed_bytes,
+            "floor_ms": floor_ms,
+            "tokens": {},
+        }
         results[name] = shape
         for tokens in args.tokens:
             x = torch.randn(tokens, config.hidden_size, generator=generator, device=device).to(_DTYPE)
@@ -197,26 +221,30 @@ def run(args: argparse.Namespace) -> dict:
                 }
                 if block.shared_experts is not None:
                     parts_ms["shared"] = median_ms(graph_replay(lambda: block.shared_experts(x))[0], args.iters)
-                grouped_replay, _ = graph_replay(lambda: _grouped_layer(block, x))
-                grouped_ms = median_ms(grouped_replay, args.iters)
+                grouped_ms = None
+                if args.quantization is None:  # FP8 experts have no grouped GEMM path
+                    grouped_replay, _ = graph_replay(lambda: _grouped_layer(block, x))
+                    grouped_ms = median_ms(grouped_replay, args.iters)
             record = {
                 "fused_rel_err_vs_fp32": rel,
                 "graph_equals_eager": graph_equals_eager,
                 "overlap_equals_serial": overlap_equals_serial,
-                "correct": rel <= _REL_TOLERANCE and graph_equals_eager and overlap_equals_serial,
+                "rel_tolerance": tolerance,
+                "correct": rel <= tolerance and graph_equals_eager and overlap_equals_serial,
                 "layer_ms_fused_graph": fused_ms,
                 "parts_ms_graph": parts_ms,
                 "layer_ms_grouped_mm_graph": grouped_ms,
                 "fused_over_floor": fused_ms / floor_ms,
                 "serial_over_floor": parts_ms["serial"] / floor_ms,
-                "grouped_mm_over_floor": grouped_ms / floor_ms,
+                "grouped_mm_over_floor": None if grouped_ms is None else grouped_ms / floor_ms,
             }
             shape["tokens"][str(tokens)] = record
             parts = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in parts_ms.items())
+            grouped = "not timed" if grouped_ms is None else f"{grouped_ms * 1e3:.0f} us"
             print(
                 f"{name} T={tokens}: rel err {rel:.2e}, graph==eager {graph_equals_eager}, overlap==serial "
                 f"{overlap_equals_serial}, fused {fused_ms * 1e3:.0f} us ({fused_ms / floor_ms:.2f}x floor "
-                f"{floor_ms * 1e3:.0f} us; parts us: {parts}), grouped_mm {grouped_ms * 1e3:.0f} us",
+                f"{floor_ms * 1e3:.0f} us; parts us: {parts}), grouped_mm {grouped}",
                 flush=True,
             )
             Path(args.out).write_text(json.dumps(results, indent=2))
@@ -283,18 +311,23 @@ def sweep(block: MoE, hidden_size: int, tokens_list: list[int], iters: int, devi
 
 
 def _float32_experts(block: MoE, rows: torch.Tensor, routing: Routing) -> torch.Tensor:
-    """Routed experts in float32 (the bfloat16 weights upcast) by a loop over experts:
-    `[T, H]` float32, the oracle of `routed_fused`."""
+    """Routed experts in float32 (the bfloat16 weights upcast, or FP8 ones dequantized)
+    by a loop over experts: `[T, H]` float32, the oracle of `routed_fused`."""
     experts = block.experts
+    act_fn = ACT2FN[block.hidden_act]
     top_k = routing.ids.shape[1]
     ids, weights = routing.ids.flatten(), routing.weights.flatten()
     out = torch.zeros_like(rows)
     inter = experts.intermediate_size
     for expert in ids.unique().tolist():
         sel = (ids == expert).nonzero().squeeze(1)
-        gate_up = rows[sel] @ experts.gate_up[expert].float().T  # [n, 2I]
-        hidden = experts.act_fn(gate_up[:, :inter]) * gate_up[:, inter:]
-        out[sel] = (hidden @ experts.down[expert].float().T) * weights[sel].unsqueeze(1)
+        if isinstance(experts, Fp8Experts):
+            w13, w2 = experts.dequantized(expert)  # [2I, H], [H, I] float32
+        else:
+            w13, w2 = experts.gate_up[expert].float(), experts.down[expert].float()
+        gate_up = rows[sel] @ w13.T  # [n, 2I]
+        hidden = act_fn(gate_up[:, :inter]) * gate_up[:, inter:]
+        out[sel] = (hidden @ w2.T) * weights[sel].unsqueeze(1)
     return out.view(-1, top_k, rows.shape[1]).sum(dim=1)
 
 
@@ -321,6 +354,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", nargs="+", type=int, default=[1, 16, 64, 128, 256])
     parser.add_argument("--iters", type=int, default=50, help="timed graph replays (median)")
     parser.add_argument("--sweep", action="store_true", help="also time the routed experts per Triton tile config")
+    parser.add_argument(
+        "--quantization", choices=["fp8"], default=None, help="routed experts in FP8 (model.quantization: fp8)"
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")

@@ -3,7 +3,8 @@
 The keys are checked against the installed vLLM's own `EngineArgs` dataclass (its
 fields, read with `dataclasses.fields`, so another vLLM version brings its own list),
 and each value against that field's annotation where pydantic can build a validator
-for it. Keys that afd_ray sets itself (`OWNED`) are refused with the afd_ray key to use
+for it, and against the bounds of the vLLM config field it fills (`_config_bounds`).
+Keys that afd_ray sets itself (`OWNED`) are refused with the afd_ray key to use
 instead. vLLM is imported only when a config has `engine_args`: a config without
 them validates without it.
 """
@@ -18,9 +19,17 @@ import sys
 import typing
 from typing import Annotated
 
-from pydantic import AfterValidator, ConfigDict, JsonValue, TypeAdapter, ValidationError
+from pydantic import AfterValidator, ConfigDict, JsonValue, TypeAdapter, ValidationError, ValidatorFunctionWrapHandler
+from pydantic_core import ErrorDetails, InitErrorDetails, PydanticCustomError
 
-__all__ = ["OWNED", "EngineArgName", "check_engine_arg_values", "owner_of", "vllm_engine_fields"]
+__all__ = [
+    "OWNED",
+    "EngineArgName",
+    "engine_arg_value_errors",
+    "owner_of",
+    "validate_engine_args",
+    "vllm_engine_fields",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,29 +141,96 @@ def _holds_enum(hint: object) -> bool:
     return any(_holds_enum(arg) for arg in typing.get_args(hint))
 
 
-def check_engine_arg_values(args: dict[str, JsonValue], where: str) -> dict[str, JsonValue]:
-    """`args` unchanged, once each value fits its `EngineArgs` field's annotation.
+@functools.cache
+def _config_bounds() -> dict[str, tuple[str, TypeAdapter]]:
+    """Engine argument name -> (`Class.field`, validator) for the arguments that fill a
+    field with bounds (`Field(gt=0)`, ...) of one of vLLM's config classes
+    (`vllm.config`: `CacheConfig.block_size`, `SchedulerConfig.max_num_batched_tokens`,
+    ...), which vLLM checks only when it builds the engine's config at engine start.
+    A name that several classes hold is left out, as is a field whose annotation
+    pydantic cannot build."""
+    import vllm.config
 
-    Args:
-        args: engine argument name -> value, names already checked (`EngineArgName`).
-        where: the key path of `args` in the config tree, for messages.
+    found: dict[str, list[tuple[str, TypeAdapter]]] = {}
+    names = vllm_engine_fields()
+    for class_name in vllm.config.__all__:
+        fields = getattr(getattr(vllm.config, class_name), "__pydantic_fields__", None)
+        if not isinstance(fields, dict):
+            continue
+        for name, info in fields.items():
+            if name not in names or not info.metadata:
+                continue
+            try:
+                adapter = TypeAdapter(Annotated[info.annotation, *info.metadata])
+            except Exception:  # an annotation pydantic cannot build alone
+                continue
+            found.setdefault(name, []).append((f"{class_name}.{name}", adapter))
+    return {name: held[0] for name, held in found.items() if len(held) == 1}
 
-    Raises:
-        ValueError: every value of another type (strict: no `"7"` for an integer),
-            joined by "; "; each starts with its key path
-            (`attention.engine_args.seed: ...`) and gives vLLM's annotation.
+
+def engine_arg_value_errors(args: dict[str, object], where: str) -> dict[str, str]:
+    """The values of `args` that do not fit their `EngineArgs` field's annotation
+    (strict: no `"7"` for an integer) or the bounds of the vLLM config field they
+    fill (`_config_bounds`: no `block_size: -5`), by name; keys that are not engine
+    arguments afd_ray passes (`owner_of`, unknown names) are skipped: their key is the
+    error. A null value is left to vLLM (its default).
+
+    Each message starts with its key path (`attention.engine_args.seed: ...`, `where`
+    the key path of `args`) and gives vLLM's annotation or bound.
     """
-    problems = []
+    problems = {}
+    fields = vllm_engine_fields()
     for name, value in args.items():
+        if name not in fields or owner_of(name) is not None:
+            continue
         adapter = _value_adapter(name)
-        if adapter is None:
+        try:
+            if adapter is not None:
+                adapter.validate_python(value)
+        except ValidationError:
+            hint = fields[name].type
+            shown = hint.__name__ if isinstance(hint, type) else str(hint)
+            problems[name] = f"{where}.{name}: {value!r} does not fit vLLM's type {shown}"
+            continue
+        bounded = _config_bounds().get(name)
+        if bounded is None or value is None:
             continue
         try:
-            adapter.validate_python(value)
-        except ValidationError:
-            hint = vllm_engine_fields()[name].type
-            shown = hint.__name__ if isinstance(hint, type) else str(hint)
-            problems.append(f"{where}.{name}: {value!r} does not fit vLLM's type {shown}")
-    if problems:
-        raise ValueError("; ".join(problems))
-    return args
+            bounded[1].validate_python(value)
+        except ValidationError as e:
+            reason = "; ".join(error["msg"] for error in e.errors())
+            problems[name] = f"{where}.{name}: {value!r} does not fit vLLM's {bounded[0]}: {reason}"
+    return problems
+
+
+def validate_engine_args(args: object, handler: ValidatorFunctionWrapHandler, where: str) -> dict[str, JsonValue]:
+    """A wrap validator of `engine_args` (`dict[EngineArgName, JsonValue]`): `handler`
+    checks the keys (`EngineArgName`) and that the values are JSON, then every value
+    of a passed engine argument is checked (`engine_arg_value_errors`), even when a
+    key beside it is refused, so that all the errors come at once.
+
+    Raises:
+        pydantic.ValidationError: one error per bad key (at `(name, "[key]")`) and per
+            bad value (at `(name,)`).
+    """
+    try:
+        checked, errors = handler(args), []
+    except ValidationError as e:
+        if not isinstance(args, dict):
+            raise
+        checked, errors = None, [_details(error) for error in e.errors()]
+    if isinstance(args, dict):
+        for name, message in engine_arg_value_errors(args, where).items():
+            kind = PydanticCustomError("value_error", "{message}", {"message": message})
+            errors.append(InitErrorDetails(type=kind, loc=(name,), input=args[name]))
+    if errors:
+        raise ValidationError.from_exception_data("engine_args", errors)
+    return checked
+
+
+def _details(error: ErrorDetails) -> InitErrorDetails:
+    """A pydantic error as it is raised again."""
+    details = InitErrorDetails(type=error["type"], loc=error["loc"], input=error["input"])
+    if "ctx" in error:
+        details["ctx"] = error["ctx"]
+    return details

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Literal
 
@@ -39,11 +40,12 @@ class ModelConfig(Section):
     plain vLLM's with `load_format="dummy"`."""
 
     quantization: Literal["fp8"] | None = None
-    """`fp8` (CUDA, compute capability >= 8.9; refused elsewhere before deploy): the
-    attention engine takes vLLM's `quantization="fp8"` (dynamic, from a bf16/fp16
-    checkpoint). Not done yet (issue 35): the FFN role's FP8 experts; its experts stay
-    in `dtype`, and no GPU run has checked this setting. None: the checkpoint's own
-    `quantization_config` if it has one, else `dtype`."""
+    """`fp8` (CUDA, compute capability >= 8.9; refused elsewhere before deploy), dynamic
+    from a bf16/fp16 checkpoint: the attention engine takes vLLM's `quantization="fp8"`,
+    and the FFN role quantizes its routed experts to FP8 at load and runs vLLM's FP8
+    fused MoE kernels (`afd_ray.layers.fp8`); the gate, shared experts, dense MLPs and
+    the A2F/F2A wire stay in `dtype`. Not yet run on a GPU. None: `dtype`. A
+    checkpoint with a `quantization_config` (FP8 or other) is refused (`source`)."""
 
     @model_validator(mode="after")
     def _source_exists(self) -> ModelConfig:
@@ -52,6 +54,19 @@ class ModelConfig(Section):
                 f"model.source: {self.source!r} is neither an embedded model "
                 f"{EMBEDDED_MODELS} nor a folder with a config.json"
             )
+        if self.source not in EMBEDDED_MODELS:
+            config = Path(self.source) / "config.json"
+            try:
+                quantized = json.loads(config.read_text()).get("quantization_config")
+            except (json.JSONDecodeError, AttributeError) as e:
+                raise ValueError(f"model.source: {config} is not a JSON mapping: {e}") from e
+            if quantized is not None:
+                method = quantized.get("quant_method") if isinstance(quantized, dict) else quantized
+                raise ValueError(
+                    f"model.source: {self.source!r} is a quantized checkpoint (config.json quantization_config, "
+                    f"quant_method {method!r}); afd_ray's FFN role loads model-dtype experts only: serve the "
+                    "bf16/fp16 checkpoint with model.quantization: fp8"
+                )
         return self
 
     @property

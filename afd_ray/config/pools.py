@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from pydantic import Field, JsonValue, field_validator, model_validator
+from pydantic import Field, JsonValue, ValidatorFunctionWrapHandler, field_validator, model_validator
 
 from afd_ray.config.base import CudaGraphMode, Section
-from afd_ray.config.engine_args import EngineArgName, check_engine_arg_values
+from afd_ray.config.eplb import EPLBConfig
+from afd_ray.config.engine_args import EngineArgName, validate_engine_args
 
 __all__ = ["EP_IDLE_CHECK_MAX_US", "AttentionPoolConfig", "FFNPoolConfig", "PoolPlacement"]
 
@@ -105,10 +106,10 @@ class AttentionPoolConfig(Section):
     (`afd_ray.config.engine_args.OWNED`: those name the afd_ray key to use), and each
     value must fit that field's type. docs/configuration.md has the table."""
 
-    @field_validator("engine_args")
+    @field_validator("engine_args", mode="wrap")
     @classmethod
-    def _engine_arg_values(cls, args: dict[str, JsonValue]) -> dict[str, JsonValue]:
-        return check_engine_arg_values(args, where="attention.engine_args")
+    def _engine_arg_values(cls, args: object, handler: ValidatorFunctionWrapHandler) -> dict[str, JsonValue]:
+        return validate_engine_args(args, handler, where="attention.engine_args")
 
 
 EP_IDLE_CHECK_MAX_US = 1_000_000
@@ -162,6 +163,17 @@ class FFNPoolConfig(Section):
     Serve's replica states), seconds. 10 s declared a live, loading rank dead on a
     2-core machine at load average 11."""
 
+    standby_ranks: int = Field(0, ge=0)
+    """FFN ranks kept started, loaded and registered with the coordinator but outside
+    the layout (`MemberState.STANDBY`): the FFN deployment runs the FFN target plus
+    this many replicas. On an FFN rank's loss the coordinator takes a standby into the
+    layout under a new epoch at once instead of waiting for Serve's replacement
+    replica (a new process: Python start, torch and vLLM import, weight load), which
+    then stands by in its place. A standby holds every routed expert (the whole FFN
+    stack), so it takes any EP rank without reading the checkpoint; it costs one full
+    FFN stack of memory each (docs/failures.md). Not counted in the FFN target, in
+    pool sizes or as serving capacity. 0 (default): no standby."""
+
     ep_idle_check_us: int = Field(2000, ge=100, le=EP_IDLE_CHECK_MAX_US)
     """With several FFN ranks (EP), how often an idle rank checks in with its EP
     group while the group is busy, microseconds; bounds how long a busy rank waits
@@ -175,6 +187,18 @@ class FFNPoolConfig(Section):
     `EP_IDLE_CHECK_MAX_US` (1 s), and shorter than `connector.timeout_s`, the
     timeout of the EP group's collectives, which a busy rank's count all-reduce
     would otherwise pass while an idle rank sleeps."""
+
+    eplb: EPLBConfig = EPLBConfig()
+    """Expert load balancing across the EP ranks (docs/eplb.md)."""
+
+    @model_validator(mode="after")
+    def _eplb_pool(self) -> FFNPoolConfig:
+        if self.eplb.num_redundant_experts and self.min_ranks < 2:
+            raise ValueError(
+                f"ffn.eplb.num_redundant_experts: {self.eplb.num_redundant_experts} needs ffn.min_ranks >= 2 "
+                f"(a replica must sit on another EP rank), got {self.min_ranks}"
+            )
+        return self
 
     @model_validator(mode="after")
     def _idle_bounds(self) -> FFNPoolConfig:

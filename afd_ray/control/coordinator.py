@@ -34,6 +34,7 @@ from afd_ray.config import (
 )
 from afd_ray.connector.header import FFNAddress
 from afd_ray.control.autoscaler import Autoscaler
+from afd_ray.control.eplb import EPLBController
 from afd_ray.control.membership import (
     AFDStatus,
     AttentionAssignment,
@@ -48,10 +49,11 @@ from afd_ray.control.membership import (
     ResizeEvent,
     ScaleRequest,
 )
-from afd_ray.control.placement import live_count, live_ranks
+from afd_ray.control.placement import live_count, live_ranks, serving_ffn
 from afd_ray.control.recovery import Recovery
 from afd_ray.control.registry import Registry
-from afd_ray.control.resize import ATTENTION_DEPLOYMENT, FFN_DEPLOYMENT, Resizer
+from afd_ray.control.resize import ATTENTION_DEPLOYMENT, FFN_DEPLOYMENT, FFN_STANDBY, Resizer
+from afd_ray.ffn.eplb_records import EPLBEvent
 from afd_ray.observability.publish import CoordinatorPublisher
 from afd_ray.observability.signals import AttentionReport, SignalAggregator
 from afd_ray.observability.stall import LoopWatch
@@ -128,24 +130,26 @@ class Coordinator:
         ]
         if self._autoscaler is not None:
             self._tasks.append(asyncio.create_task(self._autoscaler.run()))
+        self._eplb = EPLBController(ffn.eplb, self._registry, self._resizer, observability.metrics)
+        self._tasks.append(asyncio.create_task(self._eplb.run()))
         if self._published is not None:
             self._tasks.append(asyncio.create_task(self._publish(self._published)))
 
     # --- FFN pool --------------------------------------------------------------
 
     async def register_ffn(self, address: FFNAddress, replica: str = "") -> int:
-        """Add an FFN rank serving at `address` (STARTING) in Serve replica `replica`;
-        returns its rank. The first `ffn.num_ranks` ranks form the first layout (epoch 0).
-        After a restart of this coordinator, it first waits (bounded) for the running
-        FFN ranks to rejoin (`Resizer.await_rejoins`)."""
+        """Add an FFN rank serving at `address` in Serve replica `replica` (STARTING, or
+        STANDBY: `Resizer.stands_by`); returns its rank. The first `ffn.num_ranks` ranks
+        form the first layout (epoch 0). After a restart of this coordinator, it first
+        waits (bounded) for the running FFN ranks to rejoin (`Resizer.await_rejoins`)."""
         await self._resizer.await_rejoins(FFN_DEPLOYMENT, replica)
-        rank = self._registry.add_ffn(address, replica)
+        rank = self._registry.add_ffn(address, replica, standby=self._resizer.stands_by())
         await self._registry.notify()
         return rank
 
     async def ep_assignment(self, rank: int, wait_s: float) -> EPAssignment:
-        """FFN rank `rank`'s place in the layout it starts in: the first layout, or the
-        new layout of the scale-out that started it.
+        """FFN rank `rank`'s place in the layout that takes it in (`Registry.taking`), or
+        for a STANDBY rank, what it holds while it stands by (`Registry.standby_assignment`).
 
         Raises:
             TimeoutError: the first layout was not complete, or no scale-out took this
@@ -153,12 +157,10 @@ class Coordinator:
         """
         registry = self._registry
         await registry.wait(
-            lambda: rank in registry.layout or (registry.plan is not None and rank in registry.plan.ranks), wait_s
+            lambda: registry.taking(rank) is not None or registry.ffn[rank].state is MemberState.STANDBY, wait_s
         )
-        if rank in registry.layout:
-            return registry.ep_assignment(rank, registry.layout, registry.layout_epoch)
-        assert registry.plan is not None
-        return registry.ep_assignment(rank, registry.plan.ranks, registry.plan.epoch)
+        taking = registry.taking(rank)
+        return registry.standby_assignment(rank) if taking is None else self._eplb.assign(taking)
 
     async def report_ffn(
         self,
@@ -169,6 +171,7 @@ class Coordinator:
         pause_s: float,
         steps: list[FFNStep] | None = None,
         loop: LoopState = LoopState.SERVING,
+        expert_load: list[list[int]] | None = None,
     ) -> FFNDirective:
         """Replace the counters and expert load of FFN rank `rank`, which serves layout
         `epoch` and paused its steps at most `pause_s` seconds at a step boundary since
@@ -200,10 +203,11 @@ class Coordinator:
         if pause_s > 0:
             logger.info("FFN rank %d paused %.4f s at a step boundary (epoch %d)", rank, pause_s, epoch)
         self._signals.report_ffn(rank, stats, time.time())
+        self._eplb.report(rank, expert_load)  # [L][E] routed rows over its window
         self._steps.add_ffn(rank, steps or [])
         if epoch != member.epoch or "state" in update or loop is not member.loop:
             await registry.notify()
-        return registry.ffn_directive(rank, epoch)
+        return self._eplb.directive(registry.ffn_directive(rank, epoch))
 
     async def rejoin_ffn(self, member: FFNMember, layout: tuple[int, ...], preparing: int) -> None:
         """A running FFN rank re-registers after this coordinator restarted: `member`
@@ -309,6 +313,10 @@ class Coordinator:
         self._tasks.append(asyncio.create_task(self._autoscaler.run()))
         logger.info("autoscaling policy set; autoscaler started")
 
+    async def rebalance_experts(self) -> EPLBEvent:
+        """`POST /afd/eplb`: rebalance the expert placement now (`EPLBController.rebalance`)."""
+        return await self._eplb.rebalance("manual")
+
     async def resume_autoscaler(self) -> None:
         """Let the autoscaler change the pool sizes again after a manual resize."""
         self._paused = False
@@ -337,17 +345,18 @@ class Coordinator:
         while True:
             await asyncio.sleep(_PUBLISH_PERIOD_S)
             live = {ATTENTION_DEPLOYMENT: live_count(registry.attention), FFN_DEPLOYMENT: live_count(registry.ffn)}
-            published.pools(live, dict(resizer.targets), registry.epoch)
+            live[FFN_STANDBY] = sum(m.state is MemberState.STANDBY for m in registry.ffn.values())
+            published.pools(live, dict(resizer.targets) | {FFN_STANDBY: resizer.standby_ranks}, registry.epoch)
             for event in resizer.resizes[exported:]:
                 trigger = "manual" if event.reason == "manual" else "autoscaler"
                 published.resize(trigger, event.error is None, event.duration_s, event.pause_s)
             exported = len(resizer.resizes)
 
     async def metrics(self) -> MetricsSnapshot:
-        """The autoscaling signals of the current members over the last
-        `SignalAggregator.window_s` seconds."""
+        """The autoscaling signals of the current members (FFN standbys excluded) over
+        the last `SignalAggregator.window_s` seconds."""
         registry = self._registry
-        return self._signals.snapshot(time.time(), live_ranks(registry.attention), live_ranks(registry.ffn))
+        return self._signals.snapshot(time.time(), live_ranks(registry.attention), serving_ffn(registry.ffn))
 
     async def pool_load(self) -> PoolLoad | None:
         """What the ingress admits requests against: READY attention ranks, their KV
@@ -382,9 +391,11 @@ class Coordinator:
             ffn=registry.listed_ffn(),
             target_attention=targets[ATTENTION_DEPLOYMENT],
             target_ffn=targets[FFN_DEPLOYMENT],
+            target_standby=self._resizer.standby_ranks,
             autoscale_paused=self._paused,
             autoscale_enabled=self._autoscaler is not None,
             resizes=self._resizer.resizes,
             recoveries=self._recovery.events,
             metrics=await self.metrics(),
+            eplb=self._eplb.status(),
         )

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict
 from afd_ray.autoscale.schema import MetricsSnapshot
 from afd_ray.connector.header import FFNAddress
 from afd_ray.connector.transports import Transport
+from afd_ray.ffn.eplb_records import EPLBStatus
 from afd_ray.observability.timeline import StepSplit
 from afd_ray.platform import Backend
 
@@ -40,6 +41,10 @@ class MemberState(str, Enum):
 
     STARTING = "starting"
     """Registered; loading weights, opening channels; serves nothing yet."""
+    STANDBY = "standby"
+    """FFN only (`ffn.standby_ranks`): registered outside the layout, loading or holding
+    every expert and listening; serves nothing until a recovery or a scale-out takes
+    it into the layout (then READY). Not counted in pool sizes or capacity."""
     READY = "ready"
     """Serving: an attention rank takes requests, an FFN rank is in the layout."""
     DRAINING = "draining"
@@ -133,6 +138,13 @@ class EPAssignment(_Record):
     ranks: tuple[int, ...] = ()
     """The FFN ranks of that layout in EP order (what the rank tells a restarted
     coordinator, `Registry.rejoin_ffn`)."""
+    placements: tuple[tuple[tuple[int, ...], ...], ...] | None = None
+    """EPLB: `[MoE layer][EP rank]` the logical expert of each slot of this layout
+    (`afd_ray.control.eplb`); None: contiguous blocks."""
+    standby: bool = False
+    """The rank stands by outside the layout (`MemberState.STANDBY`): it loads every
+    expert (EP rank 0 of 1, `ranks` empty) and serves no layout until a plan takes it
+    in; `epoch` is then the layout epoch it started standing by under."""
 
 
 class LayoutPlan(_Record):
@@ -347,6 +359,9 @@ class AFDStatus(_Record):
     `autoscale.resize_timeout_s`)."""
     target_attention: int = 0
     target_ffn: int = 0
+    target_standby: int = 0
+    """FFN standby ranks kept outside the layout (`ffn.standby_ranks`); the `ffn`
+    members in state `standby` are those standing by now."""
     autoscale_paused: bool = False
     """A manual resize paused the autoscaler (until `POST /afd/autoscale/resume`)."""
     autoscale_enabled: bool = False
@@ -360,3 +375,5 @@ class AFDStatus(_Record):
     coordinator computed them)."""
     admission: AdmissionState | None = None
     """The answering ingress replica's admission state (added by the ingress)."""
+    eplb: EPLBStatus | None = None
+    """Expert load and its balance over the FFN ranks (None: no MoE load reported yet)."""

@@ -25,7 +25,10 @@ __all__ = [
     "peer_load",
     "rebalance_moves",
     "reformed_layout",
+    "serving_ffn",
+    "stands_by",
     "stray_moves",
+    "takers",
 ]
 
 
@@ -116,6 +119,36 @@ def reformed_layout(old: Sequence[int], live: Sequence[int], joining: Sequence[i
 def joining(ffn: Mapping[int, FFNMember], layout: Sequence[int]) -> tuple[int, ...]:
     """FFN ranks registered (STARTING) and not in `layout`, in rank order."""
     return tuple(r for r, m in sorted(ffn.items()) if m.state is MemberState.STARTING and r not in layout)
+
+
+def takers(ffn: Mapping[int, FFNMember], layout: Sequence[int]) -> tuple[int, ...]:
+    """FFN ranks outside `layout` that a re-formed or grown layout may take in, best
+    first: STANDBY ranks that have reported (loaded and listening: they join without
+    loading anything), then STARTING ranks (`joining`: they load only their shard),
+    then STANDBY ranks still loading; by rank within each."""
+    standby = [r for r, m in sorted(ffn.items()) if m.state is MemberState.STANDBY and r not in layout]
+    loaded = [r for r in standby if ffn[r].loop is not None]
+    return (*loaded, *joining(ffn, layout), *(r for r in standby if r not in loaded))
+
+
+def stands_by(
+    ffn: Mapping[int, FFNMember], layout: Sequence[int], planned: Sequence[int], target: int, standby_ranks: int
+) -> bool:
+    """Whether a newly registered FFN rank stands by (STANDBY, every expert, outside the
+    layout) rather than joining the layout (STARTING, its shard only): with
+    `standby_ranks` > 0, unless the `target` FFN ranks are not reached by the ranks of
+    `layout`, of a pending plan (`planned`) and the other `takers` together (a loss or
+    a scale-out still needs a rank, and this one comes first)."""
+    if standby_ranks == 0:
+        return False
+    placed = set(layout) | set(planned)
+    return len(placed) + sum(r not in placed for r in takers(ffn, layout)) >= target
+
+
+def serving_ffn(ffn: Mapping[int, FFNMember]) -> list[int]:
+    """FFN ranks that are neither GONE nor STANDBY: what the autoscaling signals count
+    (a standby serves nothing and is no capacity)."""
+    return [r for r, m in ffn.items() if m.state not in (MemberState.GONE, MemberState.STANDBY)]
 
 
 def live_ranks(members: Mapping[int, AttentionMember] | Mapping[int, FFNMember]) -> list[int]:

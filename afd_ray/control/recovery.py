@@ -1,8 +1,10 @@
 """Recovery from lost FFN ranks (docs/failures.md): find a dead FFN rank within a bound,
 take it out of the layout under a new epoch, and re-form the layout from the live
-ranks and the replacements Serve starts.
+ranks and standby ranks (`ffn.standby_ranks`), or the replacements Serve starts.
 
 Detection, whichever comes first:
+- its process ended: the connection the coordinator holds to its store closed
+  (`afd_ray.control.liveness`; milliseconds on one node);
 - its Serve replica vanished (the process was killed or crashed; read every
   `WATCH_PERIOD_S` from Serve's replica states);
 - it reported that its FFN loop stopped (an EP collective or a receive failed);
@@ -18,12 +20,14 @@ rejoined one and is GONE there too (`Registry.rejoin_ffn`).
 Recovery, under the layout lock (no resize interleaves):
 1. the lost ranks are GONE and leave the layout at once, so no new attention rank is
    peered with them (`assign_attention` waits while the layout is empty);
-2. once the live ranks of the old layout plus the registered replacements reach the
-   FFN target (Serve restarts a killed replica by itself), a plan of a new epoch
-   forms the layout from them: replacements load their shard of it from the
-   checkpoint, live ranks keep their EP ranks and load nothing, or, where they
-   must move, only the experts they newly own (make before break);
-   a rank lost meanwhile restarts this step;
+2. once the live ranks of the old layout plus the `placement.takers` (STANDBY ranks
+   first: loaded and listening, at once; else the replacements Serve starts for a
+   killed replica) reach the FFN target, a plan of a new epoch forms the layout from
+   them: a standby copies its shard from the experts it holds (it holds every one),
+   a replacement loads its shard from the checkpoint, live ranks keep their EP ranks
+   and load nothing, or, where they must move, only the experts they newly own (make
+   before break); a rank lost meanwhile restarts this step; Serve's replacement of
+   the lost replica then stands by in the standby's place (`Resizer.stands_by`);
 3. attention ranks are rebalanced onto the new layout (re-peered under new epochs);
    with EP, the attention ranks of the surviving EP ranks are re-peered too, under
    new epochs with the same peer: a surviving rank whose EP group failed closed
@@ -46,10 +50,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from contextlib import suppress
 from dataclasses import dataclass
 
+from afd_ray.control.liveness import ProcessWatch
 from afd_ray.control.membership import LoopState, MemberState, RecoveryEvent
-from afd_ray.control.placement import joining, rebalance_moves, reformed_layout, stray_moves
+from afd_ray.control.placement import rebalance_moves, reformed_layout, stray_moves, takers
 from afd_ray.control.registry import Plan, Registry
 from afd_ray.control.resize import FFN_DEPLOYMENT, WATCH_PERIOD_S, Resizer
 from afd_ray.control.serve_api import replica_states
@@ -117,6 +123,8 @@ class Recovery:
         """FFN ranks that reported their loop stopped, and why."""
         self._ep_lost: dict[int, float] = {}
         """FFN ranks whose latest reports said their EP group is lost, since when (monotonic)."""
+        self._process = ProcessWatch()
+        """Sees an FFN rank's process end within milliseconds (`afd_ray.control.liveness`)."""
         self.events: list[RecoveryEvent] = []
         self._bytes = 0
         self._unrecovered: _Loss | None = None
@@ -169,6 +177,8 @@ class Recovery:
                 continue
             if rank in self._stopped:
                 dead[rank] = self._stopped[rank]
+            elif rank in self._process.ended:
+                dead[rank] = self._process.ended[rank]
             elif states is not None and member.replica and member.replica not in states:
                 dead[rank] = f"its Serve replica {member.replica} vanished"
             elif rank in self._last_report and now - self._last_report[rank] > self._heartbeat_s:
@@ -183,10 +193,13 @@ class Recovery:
             return None
 
     async def watch(self) -> None:
-        """Forever: every `WATCH_PERIOD_S`, find dead FFN ranks and recover from them,
-        or retry a failed recovery once due."""
+        """Forever: every `WATCH_PERIOD_S`, or at once when an FFN rank's process ended,
+        find dead FFN ranks and recover from them, or retry a failed recovery once due."""
         while True:
-            await asyncio.sleep(WATCH_PERIOD_S)
+            self._process.follow(self._registry.ffn)
+            with suppress(TimeoutError):  # woken at once when a rank's process ends
+                await asyncio.wait_for(self._process.changed.wait(), WATCH_PERIOD_S)
+            self._process.changed.clear()
             dead = self.dead(await self._states())
             try:
                 if dead or self.lost_group() or (self._unrecovered is not None and time.monotonic() >= self._retry_at):
@@ -344,12 +357,12 @@ class Recovery:
         deadline = time.monotonic() + self._wait_s
         while True:
             dead = await self._until(
-                lambda: len(registry.layout) + len(joining(registry.ffn, registry.layout)) >= target, deadline
+                lambda: len(registry.layout) + len(takers(registry.ffn, registry.layout)) >= target, deadline
             )
             if dead:
                 self._remove(dead)
                 continue
-            ranks = reformed_layout(before, registry.layout, joining(registry.ffn, registry.layout), target)
+            ranks = reformed_layout(before, registry.layout, takers(registry.ffn, registry.layout), target)
             plan = Plan(registry.next_epoch(), ranks, None)
             registry.plan = plan
             logger.info("FFN recovery: layout of epoch %d from ranks %s", plan.epoch, ranks)

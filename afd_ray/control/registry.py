@@ -103,12 +103,14 @@ class Registry:
         self.epoch += 1
         return self.epoch
 
-    def add_ffn(self, address: FFNAddress, replica: str = "") -> int:
-        """A new FFN rank (STARTING) serving at `address` in Serve replica `replica`;
+    def add_ffn(self, address: FFNAddress, replica: str = "", standby: bool = False) -> int:
+        """A new FFN rank serving at `address` in Serve replica `replica`: STANDBY with
+        `standby` once the first layout formed (`placement.stands_by`), else STARTING;
         the first `first_layout_size` ranks form the first layout."""
         rank = self._next_ffn
         self._next_ffn += 1
-        self.ffn[rank] = FFNMember(rank=rank, address=address, replica=replica)
+        state = MemberState.STANDBY if standby and self._formed else MemberState.STARTING
+        self.ffn[rank] = FFNMember(rank=rank, address=address, replica=replica, state=state)
         if not self._formed and len(self.ffn) == self._first_layout_size:
             self.layout, self._formed = tuple(sorted(self.ffn)), True
             self._formed_as = self.layout
@@ -308,6 +310,31 @@ class Registry:
             backend=self.backend,
             timeout_s=self.timeout_s,
             ranks=ranks,
+        )
+
+    def taking(self, rank: int) -> EPAssignment | None:
+        """FFN rank `rank`'s place in the layout that takes it in: the serving layout,
+        else the pending plan; None: neither does."""
+        if rank in self.layout:
+            return self.ep_assignment(rank, self.layout, self.layout_epoch)
+        if self.plan is not None and rank in self.plan.ranks:
+            return self.ep_assignment(rank, self.plan.ranks, self.plan.epoch)
+        return None
+
+    def standby_assignment(self, rank: int) -> EPAssignment:
+        """What STANDBY FFN rank `rank` loads and serves while it stands by: every expert
+        (EP rank 0 of 1), no layout (`ranks` empty), under the current layout epoch,
+        with its own store (it joins no EP group until a plan takes it in)."""
+        address = self.ffn[rank].address
+        return EPAssignment(
+            ep_rank=0,
+            ep_size=1,
+            host=address.host,
+            store_port=address.store_port,
+            epoch=self.layout_epoch,
+            backend=self.backend,
+            timeout_s=self.timeout_s,
+            standby=True,
         )
 
     def attention_assignment(self, rank: int) -> AttentionAssignment:

@@ -7,10 +7,12 @@ through each change, one resize at a time, each returning once the new layout se
 - attention -n: Serve picks replicas and drains them (no new requests, running ones
   finish up to `autoscale.drain_timeout_s`, then end with an explicit error); the
   replica's destructor closes its pair channel (LEAVE) and reports GONE.
-- FFN +n (make before break): Serve starts replicas; each registers and waits for a
-  `LayoutPlan`; every FFN rank of the new layout loads its new expert shard and opens
-  the new EP group while the old layout serves; all switch at one agreed step
-  boundary; then attention ranks are rebalanced onto the new ranks.
+- FFN +n (make before break): standby ranks (`ffn.standby_ranks`) join first, then
+  the replicas Serve starts (each registers and waits for a `LayoutPlan`); every FFN
+  rank of the new layout loads its new expert shard (a standby copies it from every
+  expert it holds) and opens the new EP group while the old layout serves; all
+  switch at one agreed step boundary; then attention ranks are rebalanced onto the
+  new ranks. Serve runs the FFN target plus the standbys: new replicas stand by.
 - FFN -n: Serve picks a replica and calls its destructor, which calls `ffn_leaving`:
   its attention peers move to the remaining ranks, the remaining ranks load the
   experts it owned and switch to an EP group without it, then it is GONE. A replica
@@ -30,17 +32,19 @@ from collections.abc import Awaitable, Callable
 
 from afd_ray.config import AttentionPoolConfig, AutoscaleConfig, FFNPoolConfig
 from afd_ray.control.membership import MemberState, ResizeEvent, ScaleRequest
-from afd_ray.control.placement import check_sizes, joining, live_count, rebalance_moves
+from afd_ray.control.placement import check_sizes, live_count, rebalance_moves, stands_by, takers
 from afd_ray.control.registry import Plan, Registry
 from afd_ray.control.serve_api import replica_states, set_num_replicas, target_replicas
 
-__all__ = ["ATTENTION_DEPLOYMENT", "FFN_DEPLOYMENT", "Resizer"]
+__all__ = ["ATTENTION_DEPLOYMENT", "FFN_DEPLOYMENT", "FFN_STANDBY", "Resizer"]
 
 logger = logging.getLogger("ray.serve")
 """Serve's logger: resizes show in the coordinator replica's log and on the console."""
 
 ATTENTION_DEPLOYMENT = "attention"
 FFN_DEPLOYMENT = "ffn"
+FFN_STANDBY = "ffn_standby"
+"""The `pool` label of the FFN standby ranks (`ffn.standby_ranks`) in the pool gauges."""
 _SETTLE_S = 0.5
 """How long a resize waits, once the new layout serves, for the FFN ranks' reports of
 the step-boundary pauses it caused (they report every 0.2 s), seconds."""
@@ -84,6 +88,19 @@ class Resizer:
         self.layout_lock = asyncio.Lock()
         """Held by whatever changes the FFN layout (a resize, a scale-in, a recovery)."""
         self._tasks: set[asyncio.Task[ResizeEvent]] = set()
+
+    @property
+    def standby_ranks(self) -> int:
+        """FFN ranks kept standing by outside the layout (`ffn.standby_ranks`): Serve runs
+        the FFN target plus this many FFN replicas."""
+        return self._ffn_pool.standby_ranks
+
+    def stands_by(self) -> bool:
+        """Whether an FFN rank registering now stands by (`placement.stands_by`): no loss
+        or scale-out needs it to reach the FFN target."""
+        registry = self._registry
+        planned = registry.plan.ranks if registry.plan is not None else ()
+        return stands_by(registry.ffn, registry.layout, planned, self.targets[FFN_DEPLOYMENT], self.standby_ranks)
 
     @property
     def busy(self) -> bool:
@@ -165,17 +182,42 @@ class Resizer:
         if request.ffn != self.targets[FFN_DEPLOYMENT]:
             grow = request.ffn > len(registry.layout)
             self.targets[FFN_DEPLOYMENT] = request.ffn
-            await set_num_replicas(self._app, FFN_DEPLOYMENT, request.ffn)
-            if grow:
+            await set_num_replicas(self._app, FFN_DEPLOYMENT, request.ffn + self.standby_ranks)
+            if grow:  # standbys first (`takers`): Serve's new replicas then stand by in their place
                 await registry.wait(
-                    lambda: len(registry.layout) + len(joining(registry.ffn, registry.layout)) >= request.ffn, wait_s
+                    lambda: len(registry.layout) + len(takers(registry.ffn, registry.layout)) >= request.ffn, wait_s
                 )
                 async with self.layout_lock:
-                    ranks = registry.layout + joining(registry.ffn, registry.layout)
+                    ranks = (registry.layout + takers(registry.ffn, registry.layout))[: request.ffn]
                     await self._switch_layout(ranks, leaving=None)
                     await self._rebalance(ranks)
             else:
-                await registry.wait(lambda: len(registry.layout) == request.ffn and registry.plan is None, wait_s)
+                await self._shrink_ffn(request.ffn, wait_s)
+
+    async def _shrink_ffn(self, target: int, wait_s: float) -> None:
+        """Until `target` FFN ranks serve the layout. Serve picks the replicas it stops:
+        a standby it stops leaves at once (it holds no peer), so Serve is asked for one
+        replica fewer per standby gone until layout ranks left, then for the standbys
+        again (new replicas stand by).
+
+        Raises:
+            TimeoutError: not within `wait_s` seconds.
+        """
+        registry = self._registry
+
+        def standing() -> int:
+            return sum(m.state is MemberState.STANDBY for m in registry.ffn.values())
+
+        def shrunk() -> bool:
+            return len(registry.layout) == target and registry.plan is None
+
+        deadline = time.monotonic() + wait_s
+        while not shrunk():
+            standbys = standing()
+            await set_num_replicas(self._app, FFN_DEPLOYMENT, target + standbys)
+            await registry.wait(lambda: shrunk() or standing() < standbys, max(deadline - time.monotonic(), 0.0))
+        if standing() < self.standby_ranks:
+            await set_num_replicas(self._app, FFN_DEPLOYMENT, target + self.standby_ranks)
 
     async def ffn_leaving(self, rank: int) -> None:
         """Scale-in of FFN rank `rank` (its replica is stopping): move its attention
@@ -219,6 +261,26 @@ class Resizer:
             registry.update_ffn(rank, state=MemberState.GONE, ep_rank=None)
             registry.retire_gone_ffn(self.targets[FFN_DEPLOYMENT])
             await registry.notify()
+
+    async def relayout(self, on_epoch: Callable[[int], None]) -> tuple[int, float, int]:
+        """A new layout epoch over the same FFN ranks (EPLB: a new expert placement,
+        `afd_ray.control.eplb`), make before break as an FFN resize; `on_epoch(epoch)`
+        runs just before the plan of `epoch` is published. Returns the epoch, the
+        longest step-boundary pause and the weight bytes the ranks loaded.
+
+        Raises:
+            RuntimeError: a resize or recovery is under way.
+            TimeoutError: not done within `autoscale.resize_timeout_s`.
+        """
+        registry = self._registry
+        if self.busy or self.layout_lock.locked() or registry.plan is not None:
+            raise RuntimeError("the FFN layout is changing (a resize or recovery): retry once it serves")
+        async with self.layout_lock:
+            self._pause_s, self._bytes = 0.0, 0
+            on_epoch(registry.epoch + 1)  # _switch_layout takes that epoch before it awaits anything
+            await asyncio.wait_for(self._switch_layout(registry.layout, leaving=None), self._timeout_s)
+            await asyncio.sleep(_SETTLE_S)  # the FFN ranks' reports of the switch's pauses
+            return registry.layout_epoch, self._pause_s, self._bytes
 
     async def _switch_layout(self, ranks: tuple[int, ...], leaving: int | None) -> None:
         """Make before break: publish the plan, wait until every rank of the old and
@@ -289,7 +351,8 @@ class Resizer:
         coordinator continues from the sizes the last resize set, not the config's)."""
         for deployment in (ATTENTION_DEPLOYMENT, FFN_DEPLOYMENT):
             try:
-                self.targets[deployment] = await target_replicas(self._app, deployment)
+                standby = self.standby_ranks if deployment == FFN_DEPLOYMENT else 0
+                self.targets[deployment] = await target_replicas(self._app, deployment) - standby
             except Exception:  # the application is still being deployed: the config's sizes hold
                 logger.debug("Serve target of %s unavailable", deployment, exc_info=True)
 

@@ -9,9 +9,10 @@ collectives (vLLM's `allgather_reducescatter` all2all backend):
 
 1. all-gather: every rank gets the `[B, H]` rows and the top-k ids and weights of
    every EP rank, `[P*B, ...]`;
-2. each rank computes its own experts on all `P*B*k` (token, expert) rows
-   (`Experts.forward` gives zeros for experts it does not own) and sums each token's
-   k rows in float32;
+2. each rank computes its own expert slots on all `P*B*k` (token, expert) rows
+   (`Experts.forward` gives zeros for experts it does not hold, and for rows of a
+   replicated expert that another replica computes: `ExpertSlots`, EPLB) and sums
+   each token's k rows in float32;
 3. reduce-scatter (sum): each rank gets back its own B tokens, summed over the EP
    ranks in float32, then adds the replicated shared experts (`MoE.output`).
 
@@ -117,7 +118,7 @@ class EPGroup:
         are to be dropped by the caller.
 
         Args:
-            moe: the layer, holding this rank's experts (block `expert_owner` gives it).
+            moe: the layer, holding this rank's expert slots (`ExpertSlots`).
             hidden: `[B, H]` this rank's rows, model dtype.
             routing: ids `[B, k]` int64 and weights `[B, k]` float32 of those rows
                 (`moe.route(hidden)`, or received with `gate_on_attention`).
@@ -125,8 +126,8 @@ class EPGroup:
         Returns:
             `[B, H]` (`[B, P, H]` with `moe.split_output`), model dtype: what the full
             MoE returns for `hidden`, except that a token's routed rows are summed per
-            owning rank first (float32), so sums may differ from `MoE.forward` in the
-            last float32 bit.
+            computing rank first (float32), so sums may differ from `MoE.forward` in
+            the last float32 bit.
         """
         rows_per_rank, hidden_size = hidden.shape
         top_k = routing.ids.shape[1]

@@ -7,17 +7,23 @@ expert parallelism each EP rank builds the stack with only its own routed expert
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Literal
 
 import torch
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
+from afd_ray.ffn.eplb import slots_of
+from afd_ray.ffn.eplb_policy import LayerPlacement
 from afd_ray.ffn.placement import owned_experts
+from afd_ray.layers.experts import ExpertSlots
 from afd_ray.layers.family import ffn_layout
+from afd_ray.layers.fp8 import check_fp8_device, quantize_experts
 from afd_ray.layers.mlp import GatedMLP
 from afd_ray.layers.moe import MoE
-from afd_ray.weights import ffn_layer_params
+from afd_ray.weights import expert_of, ffn_layer_params
 
 __all__ = ["FFNStack", "dummy_fill", "load_ffn_stack"]
 
@@ -40,16 +46,20 @@ class FFNStack(nn.Module):
             `afd_ray.layers.family.MODEL_FAMILIES`).
         dtype: model dtype of the parameters; None = torch's default dtype.
         ep_rank, ep_size: this rank's place in the EP group; MoE layers hold only
-            the routed experts `placement.owned_experts(E, ep_size, ep_rank)`.
+            the routed experts `placement.owned_experts(E, ep_size, ep_rank)`, or
+            the slots `placements` gives this rank.
         gate_on_attention: the gate placement (docs/models.md).
         attention_compiled: the attention engines run torch.compile (else eager);
             the blocks compute as vLLM does in that mode: the dense MLPs' and shared
             experts' activation rounding (`GatedMLP.act_in_float32`), and an MoE
             layer's output as its parts or their sum (`MoEShape.split_output`).
+        placements: EPLB: the expert placement of each MoE layer, in layer order
+            (`afd_ray.ffn.eplb_policy`); None: contiguous blocks.
 
     Raises:
         ValueError: unsupported architecture or routing settings, a bad EP rank, or
-            `gate_on_attention` for a model without MoE layers.
+            `gate_on_attention` for a model without MoE layers, or `placements` that
+            do not fit the model's MoE layers, experts or `ep_size`.
     """
 
     def __init__(
@@ -60,6 +70,7 @@ class FFNStack(nn.Module):
         ep_size: int = 1,
         gate_on_attention: bool = False,
         attention_compiled: bool = False,
+        placements: Sequence[LayerPlacement] | None = None,
     ) -> None:
         super().__init__()
         layout = ffn_layout(config)
@@ -78,11 +89,12 @@ class FFNStack(nn.Module):
             dtype,
             attention_compiled,
         )
+        num_experts = layout.moe.routing.num_experts if layout.moe is not None else 0
+        slots = _moe_slots(num_experts, sorted(layout.moe_layers), ep_rank, ep_size, placements)
         layers: list[nn.Module] = []
         for i in self.layer_ids:
             if i in layout.moe_layers:
-                owned = owned_experts(layout.moe.routing.num_experts, ep_size, ep_rank)
-                moe = (layout.moe, owned, layout.hidden_size, layout.hidden_act, layout.mlp_bias, dtype)
+                moe = (layout.moe, slots[i], layout.hidden_size, layout.hidden_act, layout.mlp_bias, dtype)
                 layers.append(
                     MoE(
                         *moe,
@@ -94,6 +106,9 @@ class FFNStack(nn.Module):
             else:
                 layers.append(GatedMLP(*dense))
         self.layers = nn.ModuleList(layers)
+        moe_ids = iter(range(len(layers)))
+        self.moe_index = tuple(next(moe_ids) if isinstance(block, MoE) else None for block in layers)
+        """For each of `layers`: its index among the MoE layers (None: a dense layer)."""
         self.loaded_bytes = 0
         """Bytes of parameters `load_ffn_stack` read from the checkpoint into this stack."""
 
@@ -116,6 +131,14 @@ class FFNStack(nn.Module):
         """
         return self.layers[layer](hidden)
 
+    def held_experts(self) -> dict[int, frozenset[int]]:
+        """The logical experts each MoE layer holds, by decoder layer id."""
+        return {
+            layer: frozenset(block.experts.owned)
+            for layer, block in zip(self.layer_ids, self.layers, strict=True)
+            if isinstance(block, MoE)
+        }
+
     def checkpoint_tensors(self) -> dict[tuple[int, str], torch.Tensor]:
         """Destination tensor of each checkpoint tensor this stack loads, keyed by
         `(layer, name within the FFN block)` (`afd_ray.weights.ffn_block_name`)."""
@@ -124,6 +147,30 @@ class FFNStack(nn.Module):
             for layer, block in zip(self.layer_ids, self.layers, strict=True)
             for name, t in block.checkpoint_tensors().items()
         }
+
+
+def _moe_slots(
+    num_experts: int,
+    moe_layers: list[int],
+    ep_rank: int,
+    ep_size: int,
+    placements: Sequence[LayerPlacement] | None,
+) -> dict[int, ExpertSlots]:
+    """This EP rank's expert slots of each MoE layer (decoder layer id -> slots)."""
+    if placements is None:
+        if not moe_layers:
+            return {}
+        block = ExpertSlots.block(owned_experts(num_experts, ep_size, ep_rank), num_experts)
+        return dict.fromkeys(moe_layers, block)
+    if len(placements) != len(moe_layers):
+        raise ValueError(f"placements: {len(placements)} given for {len(moe_layers)} MoE layers")
+    for placement in placements:
+        if placement.num_experts != num_experts or placement.ep_size != ep_size:
+            raise ValueError(
+                f"placements: a placement of {placement.num_experts} experts on {placement.ep_size} ranks "
+                f"for {num_experts} experts on {ep_size} EP ranks"
+            )
+    return {layer: slots_of(placement, ep_rank) for layer, placement in zip(moe_layers, placements, strict=True)}
 
 
 def dummy_fill(stack: FFNStack) -> None:
@@ -174,6 +221,8 @@ def load_ffn_stack(
     reuse: FFNStack | None = None,
     random_weights: bool = False,
     attention_compiled: bool = False,
+    placements: Sequence[LayerPlacement] | None = None,
+    quantization: Literal["fp8"] | None = None,
 ) -> FFNStack:
     """Build the FFN stack of `checkpoint` with only FFN-role tensors loaded.
 
@@ -188,40 +237,53 @@ def load_ffn_stack(
     the checkpoint, so only newly owned routed experts are read (the new stack's
     `loaded_bytes`).
 
+    `placements`: the EPLB placement of each MoE layer (`FFNStack`); a replicated
+    expert is read once and copied into its other local slots (`Experts.copy_replicas`).
+    With `reuse`, an expert of a layer is copied from `reuse`'s same layer if it holds it.
+
     `random_weights`: read nothing but `config.json` and fill every tensor as vLLM's
     `load_format="dummy"` fills its counterpart (`dummy_fill`), so that benchmark-sized
     models run without their weights (`ModelConfig.load_format`) and compute what a
     plain vLLM engine with dummy weights computes. `loaded_bytes` stays 0.
 
+    `quantization` (`ModelConfig.quantization`): `fp8` quantizes the routed experts to
+    FP8 once loaded (`afd_ray.layers.fp8.quantize_experts`, vLLM's dynamic FP8 MoE);
+    the rest stays in `dtype`.
+
     Raises:
         ValueError: unsupported architecture, bad EP rank, or a missing/unexpected
-            FFN tensor.
-        ImportError: `random_weights` without vLLM installed.
+            FFN tensor; `fp8` on a device without FP8 kernels (`check_fp8_device`).
+        ImportError: `random_weights` or `fp8` without vLLM installed.
     """
     config = AutoConfig.from_pretrained(checkpoint)
     with torch.device("meta"):
-        stack = FFNStack(config, dtype, ep_rank, ep_size, gate_on_attention, attention_compiled)
+        stack = FFNStack(config, dtype, ep_rank, ep_size, gate_on_attention, attention_compiled, placements)
     stack.to_empty(device=device)
+    if quantization is not None:
+        check_fp8_device(device)
     if random_weights:
         dummy_fill(stack)
-        return stack.eval()
+        _copy_replicas(stack)
+        return _quantized(stack.eval(), quantization)
     targets = stack.checkpoint_tensors()
-    owned = {e for block in stack.moe_blocks for e in block.experts.owned}
     unexpected = []
     with torch.no_grad():
         if reuse is not None:
             held = reuse.checkpoint_tensors()
             for key in [k for k, t in targets.items() if k in held and held[k].shape == t.shape]:
                 targets.pop(key).copy_(held[key])
-            owned -= {e for block in reuse.moe_blocks for e in block.experts.owned}
+        wanted = {expert_of(f"model.layers.{layer}.mlp.{name}") for layer, name in targets} - {None}
         params = (
             []
             if not targets
-            else ffn_layer_params(checkpoint, config.num_hidden_layers, owned, gate_on_attention, stack.moe_layers)
+            else ffn_layer_params(checkpoint, config.num_hidden_layers, wanted, gate_on_attention, stack.moe_layers)
         )
+        held_by_layer = stack.held_experts()
         for layer, name, tensor in params:
-            if reuse is not None and (layer, name) not in targets:
-                continue  # copied from `reuse`
+            expert = expert_of(f"model.layers.{layer}.mlp.{name}")
+            elsewhere = layer in held_by_layer and expert is not None and expert not in held_by_layer[layer]
+            if (layer, name) not in targets and (reuse is not None or elsewhere):
+                continue  # copied from `reuse`, or an expert this layer does not hold (EPLB)
             target = targets.pop((layer, name), None)
             if target is None or target.shape != tensor.shape:
                 unexpected.append(f"layers.{layer}.mlp.{name} {list(tensor.shape)}")
@@ -231,4 +293,19 @@ def load_ffn_stack(
     if targets or unexpected:
         missing = [f"layers.{layer}.mlp.{name}" for layer, name in targets]
         raise ValueError(f"FFN weights of {checkpoint}: missing {missing}, unexpected {unexpected}")
-    return stack.eval()
+    _copy_replicas(stack)
+    return _quantized(stack.eval(), quantization)
+
+
+def _copy_replicas(stack: FFNStack) -> None:
+    for block in stack.moe_blocks:
+        block.experts.copy_replicas()
+
+
+def _quantized(stack: FFNStack, quantization: Literal["fp8"] | None) -> FFNStack:
+    """`stack` with its routed experts in FP8 when `quantization` is `fp8`, one layer
+    at a time (each layer's model-dtype experts are freed as its FP8 ones are made)."""
+    if quantization == "fp8":
+        for block in stack.moe_blocks:
+            block.experts = quantize_experts(block.experts, block.hidden_act)
+    return stack

@@ -73,6 +73,8 @@ class FFNRuntime:
             many groups (ubatches) per layer, one after the other, so that one group's
             attention runs while this rank computes another's (`FFNPoolConfig.ubatches`).
             With EP a step runs as one ubatch.
+        load_window: FFN steps of expert load kept per (MoE layer, expert)
+            (`ffn.eplb.window_size`, `StepMeter.window_load`).
 
     Raises:
         ValueError: `ubatches` < 1.
@@ -92,13 +94,15 @@ class FFNRuntime:
         ep_lost_wait_s: float = 120.0,
         idle_poll_s: float | None = None,
         ubatches: int = 1,
+        load_window: int = 1000,
     ) -> None:
         if ubatches < 1:
             raise ValueError(f"ubatches: {ubatches} < 1")
         device = next(model.parameters()).device
         moe = model.moe_blocks
         self.channel = channel
-        self.meter = StepMeter(device, moe[0].spec.num_experts if moe else 0, step_records)
+        num_experts = moe[0].spec.num_experts if moe else 0
+        self.meter = StepMeter(device, num_experts, step_records, len(moe), load_window)
         """Counters, step records and expert load, read by the FFN server."""
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         """The loop's non-blocking CUDA stream (None on CPU)."""
@@ -212,7 +216,7 @@ class FFNRuntime:
                 ubatch.receive(self.channel, layer, lost)
                 tally.arrived()
                 out, routed = compute.run(layer, ubatch.inputs)  # [R, H] or [R, P, H]; [R, k] int64 for an MoE layer
-                tally.computed(routed[: ubatch.rows] if routed is not None else None)
+                tally.computed(routed[: ubatch.rows] if routed is not None else None, model.moe_index[layer])
                 tally.sent(ubatch.send(self.channel, out[: ubatch.rows], layer, lost))
         routing = ubatches[0].inputs.routing  # ids [R, k] int64, weights [R, k] float32
         row_bytes = model.hidden_size * self._dtype.itemsize  # one [H] row, one way

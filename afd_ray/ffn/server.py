@@ -40,6 +40,7 @@ from afd_ray.connector.process_group import new_process_group
 from afd_ray.control.membership import EPAssignment, FFNMember, LayoutPlan, LoopState, MemberState
 from afd_ray.control.serve_api import app_deleting
 from afd_ray.ffn.ep import EPGroup
+from afd_ray.ffn.eplb import layer_placements
 from afd_ray.ffn.layout import LayoutSwitch
 from afd_ray.ffn.model import FFNStack, load_ffn_stack
 from afd_ray.ffn.runtime import FFNRuntime
@@ -121,19 +122,24 @@ class FFNServer:
         """The gates and dense MLPs run on the attention side: the stack holds only the
         MoE layers, without their gate (`FFNStack`)."""
         self._random_weights = model.load_format == "dummy"
+        self._quantization = model.quantization
+        """`fp8`: the routed experts are quantized at load (`load_ffn_stack`)."""
         self._attention_compiled = attention_compiled
         self._replica = serve.get_replica_context().replica_id.unique_id
         self._address = channel.address
         self.rank = await coordinator.register_ffn.remote(channel.address, self._replica)
         assignment = await coordinator.ep_assignment.remote(self.rank, connector.timeout_s)
         stack = await asyncio.to_thread(self._load_stack, assignment)
-        if assignment.epoch > 0:  # started by a scale-out
+        if assignment.epoch > 0 and not assignment.standby:  # started by a scale-out or a recovery
             await coordinator.ffn_loaded.remote(self.rank, assignment.epoch, stack.loaded_bytes)
         ep = await self._ep_group(stack, assignment)
-        self._shard = (assignment.ep_rank, assignment.ep_size)
+        self._shard = (assignment.ep_rank, assignment.ep_size, assignment.placements)
         self._layouts = {assignment.epoch: assignment.ranks}
         """The FFN ranks in EP order of each layout this rank served or prepares, by epoch."""
         self._preparing = assignment.epoch
+        self._standby_at = assignment.epoch if assignment.standby else None
+        """The layout epoch this rank stands by under, holding every expert (`ffn.standby_ranks`;
+        None: it started in a layout)."""
         self._fenced = False
         """The coordinator removed this rank: it serves nothing and fails its health check."""
         ep_polls = (ffn.ep_idle_check_us / 1e6, ffn.ep_idle_max_check_us / 1e6)  # an MoE rank may join an EP group
@@ -148,6 +154,7 @@ class FFNServer:
             epoch=assignment.epoch,
             idle_poll_s=idle_poll_s,
             ubatches=ffn.ubatches,
+            load_window=ffn.eplb.window_size,
             step_records=observability.step_records,
             ep_lost_wait_s=connector.peer_lost_wait_s,
         )
@@ -170,6 +177,8 @@ class FFNServer:
             reuse=reuse,
             random_weights=self._random_weights,
             attention_compiled=self._attention_compiled,
+            quantization=self._quantization,
+            placements=layer_placements(assignment.placements),
         )
 
     async def _ep_group(self, stack: FFNStack, assignment: EPAssignment) -> EPGroup | None:
@@ -199,6 +208,7 @@ class FFNServer:
                     layout.take_pause(),
                     steps,
                     self._loop_state(),
+                    expert_load=meter.window_load(),
                 )
                 if directive.fenced:
                     self._fence()
@@ -241,12 +251,13 @@ class FFNServer:
         served = self._runtime.layout
         epoch, loop = served.epoch, self._loop_state()
         layout = () if served.left else self._layouts.get(epoch, ())
+        state = MemberState.READY if layout else MemberState.STANDBY if epoch == self._standby_at else MemberState.GONE
         member = FFNMember(
             rank=self.rank,
             address=self._address,
             replica=self._replica,
             epoch=epoch,
-            state=MemberState.READY if loop is not LoopState.STOPPED and layout else MemberState.GONE,
+            state=state if loop is not LoopState.STOPPED else MemberState.GONE,
             ep_rank=layout.index(self.rank) if self.rank in layout else None,
             loop=loop,
         )
@@ -268,7 +279,7 @@ class FFNServer:
             return
         self._layouts[plan.epoch] = assignment.ranks
         stack = layout.model
-        shard = (assignment.ep_rank, assignment.ep_size)
+        shard = (assignment.ep_rank, assignment.ep_size, assignment.placements)  # EPLB: a new placement reloads
         if stack.moe_blocks and shard != self._shard:
             stack = await asyncio.to_thread(self._load_stack, assignment, layout.model)
             await self._coordinator.ffn_loaded.remote(self.rank, plan.epoch, stack.loaded_bytes)

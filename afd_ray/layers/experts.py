@@ -1,47 +1,94 @@
-"""The routed experts of one MoE layer that one EP rank owns, computed as grouped GEMMs."""
+"""The routed experts of one MoE layer that one EP rank holds, computed as grouped GEMMs."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-__all__ = ["Experts"]
+__all__ = ["ExpertSlots", "Experts"]
 
 _PROJ = ("gate_proj", "up_proj", "down_proj")
 
 
-class Experts(nn.Module):
-    """Gated-MLP experts `owned` (a contiguous block of expert ids), stacked.
+class ExpertSlots(NamedTuple):
+    """One EP rank's physical expert slots of one MoE layer, and how the rows of a
+    replicated expert are split over its replicas (EPLB, docs/eplb.md).
 
-    Parameters (only the owned experts are allocated):
-        gate_up: `[len(owned), 2 * I, H]`, rows `[:I]` the checkpoint's
-            `experts.{e}.gate_proj.weight`, rows `[I:]` its `up_proj.weight`
-            (transformers' fused layout).
-        down: `[len(owned), H, I]`, the checkpoint's `experts.{e}.down_proj.weight`.
+    Row n of the rows every EP rank sees (`EPGroup.moe`: the same `[P*B*k]` rows on
+    every rank) routed to logical expert e is computed by replica `n % replicas[e]`
+    of e, and only there; replica j of e is the j-th slot holding e when the EP ranks'
+    slots are read in rank order, then slot order. So each row is computed by exactly
+    one rank and the sum over the ranks is the full MoE's.
+    """
+
+    experts: tuple[int, ...]
+    """Logical expert of each local slot (a slot's weights are that expert's)."""
+    replica: tuple[int, ...]
+    """Which replica of its expert each local slot is, in `[0, replicas[e])`."""
+    replicas: tuple[int, ...]
+    """`[E]`: physical slots of each logical expert over the whole EP group (>= 1)."""
+
+    @classmethod
+    def block(cls, owned: range, num_experts: int) -> ExpertSlots:
+        """The contiguous block `owned` of `num_experts` experts, one replica each."""
+        return cls(tuple(owned), (0,) * len(owned), (1,) * num_experts)
+
+    def table(self) -> list[list[int]]:
+        """`[E][max(replicas)]`: the local slot holding replica j of expert e, or
+        `len(experts)` where another rank holds it (or e has fewer replicas)."""
+        absent = len(self.experts)
+        table = [[absent] * max(self.replicas) for _ in self.replicas]
+        for slot, (expert, replica) in enumerate(zip(self.experts, self.replica, strict=True)):
+            table[expert][replica] = slot
+        return table
+
+
+class Experts(nn.Module):
+    """Gated-MLP experts in the physical slots `slots` gives this rank, stacked.
+
+    Parameters (only this rank's slots are allocated; replicas hold equal weights):
+        gate_up: `[S, 2 * I, H]` (S = `len(slots.experts)`), rows `[:I]` the
+            checkpoint's `experts.{e}.gate_proj.weight` of the slot's expert e, rows
+            `[I:]` its `up_proj.weight` (transformers' fused layout).
+        down: `[S, H, I]`, the checkpoint's `experts.{e}.down_proj.weight`.
 
     Raises:
-        ValueError: `owned` is empty or has a step other than 1.
+        ValueError: no slot, or `slots` disagree on the slot count.
         KeyError: `hidden_act` is not a transformers activation name.
     """
 
     def __init__(
-        self, owned: range, hidden_size: int, intermediate_size: int, hidden_act: str, dtype: torch.dtype
+        self, slots: ExpertSlots, hidden_size: int, intermediate_size: int, hidden_act: str, dtype: torch.dtype
     ) -> None:
         super().__init__()
-        if len(owned) == 0 or owned.step != 1:
-            raise ValueError(f"owned experts must be a non-empty contiguous range, got {owned}")
-        self.owned = owned
+        if not slots.experts or len(slots.replica) != len(slots.experts):
+            raise ValueError(f"expert slots must be non-empty, one replica index per slot; got {slots}")
+        self.slots = slots
+        self.owned = slots.experts
+        """Logical expert of each local slot (`ExpertSlots.experts`)."""
         self.intermediate_size = intermediate_size
-        gate_up_shape = (len(owned), 2 * intermediate_size, hidden_size)
+        gate_up_shape = (len(self.owned), 2 * intermediate_size, hidden_size)
         self.gate_up = nn.Parameter(torch.empty(gate_up_shape, dtype=dtype), requires_grad=False)
-        down_shape = (len(owned), hidden_size, intermediate_size)
+        down_shape = (len(self.owned), hidden_size, intermediate_size)
         self.down = nn.Parameter(torch.empty(down_shape, dtype=dtype), requires_grad=False)
         self.act_fn = ACT2FN[hidden_act]
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
+        """`ExpertSlots.table()` `[E, R]` and `replicas` `[E]` (int64) on the weights'
+        device, made at the first forward there (before any CUDA graph capture)."""
+
+    def _slot_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._tables is None or self._tables[0].device != device:
+            table = torch.tensor(self.slots.table(), dtype=torch.int64, device=device)  # [E, R]
+            replicas = torch.tensor(self.slots.replicas, dtype=torch.int64, device=device)  # [E]
+            self._tables = (table, replicas)
+        return self._tables
 
     def forward(self, rows: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Weighted expert outputs of `rows`; rows of experts not owned give zeros.
+        """Weighted expert outputs of `rows`; rows this rank does not compute give zeros.
 
         Args:
             rows: `[N, H]` hidden states in the model dtype, one row per (token, expert).
@@ -50,9 +97,10 @@ class Experts(nn.Module):
 
         Returns:
             `[N, H]` in the model dtype, in the order of `rows`:
-            `weights[n] * expert[expert_ids[n]](rows[n])`, or 0 where this rank does
-            not own `expert_ids[n]`. Summing the outputs of every EP rank therefore
-            gives the full MoE's rows.
+            `weights[n] * expert[expert_ids[n]](rows[n])`, or 0 where this rank holds
+            no slot of `expert_ids[n]`, or where row n goes to a replica on another
+            rank (`ExpertSlots`). Summing the outputs of every EP rank therefore gives
+            the full MoE's rows.
 
         The rows are sorted by expert and run as two `torch.nn.functional.grouped_mm`
         (one per projection). On CPU (torch 2.13, any float dtype) this is as fast as a
@@ -65,12 +113,16 @@ class Experts(nn.Module):
         `offs` to the host (correct, not capturable).
         """
         num_local = len(self.owned)
-        local = expert_ids - self.owned.start  # [N]
-        owned = (local >= 0) & (local < num_local)  # [N]
-        key, order = torch.sort(torch.where(owned, local, num_local), stable=True)  # [N]; not owned last
+        table, replicas = self._slot_tables(expert_ids.device)  # [E, R], [E]
+        if table.shape[1] == 1:  # no replicas: one slot per expert
+            local = table[:, 0][expert_ids]  # [N] local slot, num_local: computed elsewhere
+        else:
+            row = torch.arange(expert_ids.shape[0], device=expert_ids.device)  # [N]
+            local = table[expert_ids, row % replicas[expert_ids]]  # [N] local slot, num_local: computed elsewhere
+        key, order = torch.sort(local, stable=True)  # [N]; not computed here last
         local_ids = torch.arange(num_local, device=key.device)  # [E_local]
         ends = torch.searchsorted(key, local_ids, right=True).to(torch.int32)  # [E_local] end row per expert
-        # grouped_mm leaves rows >= ends[-1] (experts not owned) undefined; masked below.
+        # grouped_mm leaves rows >= ends[-1] (not computed here) undefined; masked below.
         gate_up = F.grouped_mm(rows[order], self.gate_up.transpose(1, 2), offs=ends)  # [N, 2I]
         gate, up = gate_up.split(self.intermediate_size, dim=-1)  # [N, I] each
         out = F.grouped_mm(self.act_fn(gate) * up, self.down.transpose(1, 2), offs=ends)  # [N, H]
@@ -78,14 +130,29 @@ class Experts(nn.Module):
         return torch.empty_like(rows).index_copy_(0, order, out.to(rows.dtype))
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
-        """Destination view of each owned expert's checkpoint tensor, by FFN block
+        """Destination view of each held expert's checkpoint tensor, by FFN block
         name (`experts.{e}.gate_proj.weight`, ...; Mixtral's `w1`/`w3`/`w2` are
-        renamed by `afd_ray.weights.ffn_block_name`)."""
+        renamed by `afd_ray.weights.ffn_block_name`): an expert's first local slot;
+        `copy_replicas` fills its other local slots, if any."""
         inter = self.intermediate_size
         views = {}
         for local, expert in enumerate(self.owned):
+            if f"experts.{expert}.{_PROJ[0]}.weight" in views:
+                continue
             for proj, view in zip(
                 _PROJ, (self.gate_up[local, :inter], self.gate_up[local, inter:], self.down[local]), strict=True
             ):
                 views[f"experts.{expert}.{proj}.weight"] = view
         return views
+
+    def copy_replicas(self) -> None:
+        """Copy each expert's first local slot into its other local slots (a rank
+        holds two replicas of one expert only when the placement had no other room)."""
+        first: dict[int, int] = {}
+        with torch.no_grad():
+            for slot, expert in enumerate(self.owned):
+                if expert in first:
+                    self.gate_up[slot].copy_(self.gate_up[first[expert]])
+                    self.down[slot].copy_(self.down[first[expert]])
+                else:
+                    first[expert] = slot

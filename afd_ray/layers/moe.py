@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from afd_ray.devices import pooled_stream_other_than
-from afd_ray.layers.experts import Experts
+from afd_ray.layers.experts import ExpertSlots, Experts
+from afd_ray.layers.fp8 import Fp8Experts
 from afd_ray.layers.fused import fused_experts_applies, fused_moe
 from afd_ray.layers.mlp import GatedMLP
 from afd_ray.layers.routing import Router, Routing
@@ -19,7 +20,8 @@ __all__ = ["MoE"]
 
 
 class MoE(nn.Module):
-    """Gate, the routed experts this EP rank owns, and the shared experts (replicated).
+    """Gate, the routed expert slots this EP rank holds (`ExpertSlots`), and the shared
+    experts (replicated).
 
     An EP step on hidden `[T, H]`: `route` (any rank, the gate is replicated) ->
     dispatch rows to the owners of `routing.ids` -> `experts` on each owner -> return
@@ -37,7 +39,7 @@ class MoE(nn.Module):
     def __init__(
         self,
         shape: MoEShape,
-        owned: range,
+        slots: ExpertSlots,
         hidden_size: int,
         hidden_act: str,
         bias: bool,
@@ -52,7 +54,7 @@ class MoE(nn.Module):
         self.split_output = split_output
         # gate_on_attention: the attention role routes and sends ids and weights.
         self.gate = Router(shape.routing_of(split_output), hidden_size, dtype) if with_gate else None
-        self.experts = Experts(owned, hidden_size, shape.intermediate_size, hidden_act, dtype)
+        self.experts = Experts(slots, hidden_size, shape.intermediate_size, hidden_act, dtype)
         self.shared_experts = (
             GatedMLP(hidden_size, shape.shared_intermediate_size, hidden_act, bias, dtype, act_in_float32)
             if shape.shared_intermediate_size
@@ -117,8 +119,8 @@ class MoE(nn.Module):
             RuntimeError: this module holds only an EP shard of the experts.
         """
         num_experts = self.spec.num_experts
-        if len(self.experts.owned) != num_experts:
-            raise RuntimeError(f"MoE.forward needs all {num_experts} experts; this EP shard owns {self.experts.owned}")
+        if self.experts.owned != tuple(range(num_experts)):
+            raise RuntimeError(f"MoE.forward needs all {num_experts} experts; this EP shard holds {self.experts.owned}")
         shared = self.begin_shared(hidden)
         routing = self.route(hidden) if routing is None else routing
         if fused_experts_applies(hidden, self.hidden_act):
@@ -146,12 +148,15 @@ class MoE(nn.Module):
 
     def routed_fused(self, hidden: torch.Tensor, routing: Routing) -> torch.Tensor:
         """Routed experts of hidden `[T, H]` (CUDA) with vLLM's `fused_experts`: `[T, H]`
-        in the model dtype (the kernel sums a token's k rows in that dtype).
+        in the model dtype (the kernel sums a token's k rows in that dtype); its FP8
+        kernels when the experts are FP8 (`afd_ray.layers.fp8`, `model.quantization`).
 
         Raises:
             NotImplementedError: vLLM's fused MoE kernels are not available.
         """
         experts = self.experts
+        if isinstance(experts, Fp8Experts):
+            return experts.fused(hidden, routing.ids, routing.weights)
         return fused_moe(hidden, experts.gate_up, experts.down, routing.ids, routing.weights, self.hidden_act)
 
     def routed_grouped(self, hidden: torch.Tensor, routing: Routing) -> torch.Tensor:

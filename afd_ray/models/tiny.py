@@ -209,29 +209,65 @@ def _init_weights(model: torch.nn.Module, seed: int) -> None:
             t.zero_()
 
 
-def _build(family: Family, seed: int, out: Path, cuda_mla_heads: bool) -> None:
+@torch.no_grad()
+def _skew_routers(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, skew: float) -> None:
+    """Make two experts per MoE layer hot, all in the first half of the experts:
+    `(2j, 2j + 1) mod E/2` in the j-th MoE layer, so that a contiguous EP2 placement
+    puts every hot expert on EP rank 0 (EPLB tests). Their router rows get `skew` times
+    the unit mean direction of the layer's gate inputs over a fixed text, divided by
+    that mean's norm: a typical token's gate logit of a hot expert rises by about
+    `skew`, against logits spread about 1."""
+    inputs: dict[int, torch.Tensor] = {}
+    gates = [(name, m) for name, m in model.named_modules() if name.endswith("mlp.gate")]
+    hooks = [
+        gate.register_forward_hook(
+            lambda _, args, __, j=j: inputs.__setitem__(j, args[0].reshape(-1, args[0].shape[-1]))
+        )
+        for j, (_, gate) in enumerate(gates)
+    ]
+    try:
+        model(**tokenizer(" ".join(_SKEW_TEXT), return_tensors="pt"))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    for j, (_, gate) in enumerate(gates):
+        mean = inputs[j].mean(dim=0)  # [H]
+        half = gate.weight.shape[0] // 2
+        for expert in ((2 * j) % half, (2 * j + 1) % half):
+            gate.weight[expert] += skew * mean / mean.norm() ** 2
+
+
+_SKEW_TEXT = ("The quick brown fox", "def main():", "Hello, my name is", "import os", "In the beginning")
+
+
+def _build(family: Family, seed: int, out: Path, cuda_mla_heads: bool, skew: float = 0.0) -> None:
     config = tiny_config(family, cuda_mla_heads)
     tokenizer = train_tokenizer()
     if len(tokenizer) > config.vocab_size:
         raise RuntimeError(f"tokenizer has {len(tokenizer)} tokens > vocab {config.vocab_size}")
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _init_weights(model, seed)
+    if skew:
+        _skew_routers(model, tokenizer, skew)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    (out / BUILD_INFO).write_text(json.dumps(_build_info(family, seed, cuda_mla_heads)) + "\n")
+    (out / BUILD_INFO).write_text(json.dumps(_build_info(family, seed, cuda_mla_heads, skew)) + "\n")
 
 
-def _build_info(family: Family, seed: int, cuda_mla_heads: bool) -> dict[str, object]:
-    return {"family": family, "seed": seed} | ({"cuda_mla_heads": True} if cuda_mla_heads else {})
+def _build_info(family: Family, seed: int, cuda_mla_heads: bool, skew: float = 0.0) -> dict[str, object]:
+    info: dict[str, object] = {"family": family, "seed": seed}
+    return info | ({"cuda_mla_heads": True} if cuda_mla_heads else {}) | ({"router_skew": skew} if skew else {})
 
 
-def build_tiny(family: Family, out_dir: Path, seed: int = 0, cuda_mla_heads: bool = False) -> Path:
+def build_tiny(family: Family, out_dir: Path, seed: int = 0, cuda_mla_heads: bool = False, skew: float = 0.0) -> Path:
     """Build the tiny `family` checkpoint into `out_dir` (once) and return `out_dir`.
 
     The folder holds `config.json`, `model.safetensors` (float32, about 1-4 MB),
     `generation_config.json`, the tokenizer of `train_tokenizer()` and `BUILD_INFO`.
     The same `(family, seed, cuda_mla_heads)` gives byte-identical weights; a folder
-    already built from them is reused. `cuda_mla_heads`: see `tiny_config`.
+    already built from them is reused. `cuda_mla_heads`: see `tiny_config`. `skew`:
+    two experts per MoE layer get most rows, their gate logits raised by about this
+    much (`_skew_routers`, for EPLB tests); 0 leaves the routers as drawn.
 
     Raises:
         ValueError: unknown `family`.
@@ -243,9 +279,9 @@ def build_tiny(family: Family, out_dir: Path, seed: int = 0, cuda_mla_heads: boo
     if is_checkpoint(out_dir):
         info = out_dir / BUILD_INFO
         built = json.loads(info.read_text()) if info.is_file() else None
-        if built != _build_info(family, seed, cuda_mla_heads):
+        if built != _build_info(family, seed, cuda_mla_heads, skew):
             raise FileExistsError(
                 f"{out_dir} already holds a checkpoint ({built or 'not a tiny build'}), "
                 f"not tiny {family} seed {seed}{' with cuda_mla_heads' if cuda_mla_heads else ''}"
             )
-    return build_once(Path(out_dir), lambda tmp: _build(family, seed, tmp, cuda_mla_heads))
+    return build_once(Path(out_dir), lambda tmp: _build(family, seed, tmp, cuda_mla_heads, skew))

@@ -67,7 +67,8 @@ PANELS: tuple[Panel, ...] = (
             (f"max by (pool) ({_series('afd_pool_target_ranks')})", "{{pool}} target"),
             (f"max({_series('afd_epoch')})", "epoch"),
         ),
-        "Live members and targets of the attention and FFN pools, and the membership epoch.",
+        "Live members and targets of the attention and FFN pools, the FFN standby ranks (ffn_standby), "
+        "and the membership epoch.",
     ),
     Panel(
         "TTFT",
@@ -183,6 +184,16 @@ PANELS: tuple[Panel, ...] = (
             (f"max by (rank) ({_series('afd_expert_imbalance')})", "imbalance (max/mean) rank {{rank}}"),
         ),
         "Rows routed per expert per second, and max/mean imbalance per FFN rank.",
+    ),
+    Panel(
+        "Expert balancedness (EPLB)",
+        "percentunit",
+        (
+            (f"max by (layer) ({_series('afd_eplb_balancedness')})", "MoE layer {{layer}}"),
+            (f"min({_series('afd_eplb_balancedness')})", "worst layer"),
+        ),
+        "Per MoE layer: mean over max of the EP ranks' routed rows over the load window (1 = balanced); "
+        "every step waits for the busiest rank. A rebalance (POST /afd/eplb or ffn.eplb.enabled) raises it.",
     ),
     # Resizes are rare: totals since the coordinator started (a rate over a window
     # would show nothing for the first one, whose series starts at 1).

@@ -1,5 +1,10 @@
 """The FFN loop's accounting: counters, per-step timing records, expert load, step split.
 
+Expert load (EPLB, docs/eplb.md): besides the cumulative rows per expert
+(`expert_tokens`), a sliding window of the last `window_size` steps' routed rows per
+(MoE layer, expert), vLLM's `expert_load_window`: a `[W, L, E]` int64 ring on the
+model's device whose slot of the current step is cleared when it begins.
+
 `StepMeter` is what the FFN loop (`afd_ray.ffn.runtime`) records into, one step at a
 time: `begin` opens a `StepTally`, the loop marks each layer's ubatch on it (rows
 arrived, computed, sent), and `end` closes it into one `FFNStep` record
@@ -57,6 +62,9 @@ class StepTally:
         """Device-timeline stamps (arrived, computed, sent per layer and ubatch) of a timed
         step; None: the step is not timed."""
         self._expert_tokens = meter.expert_tokens
+        self._window = meter.load_window[meter.window_slot].view(-1) if meter.load_window is not None else None
+        """This step's `[L*E]` slot of the load window (None: a dense model)."""
+        self._num_experts = meter.num_experts
         self._clock = meter.timeline.clock
         self._at = self.start
 
@@ -69,16 +77,21 @@ class StepTally:
         self._stamp()
         self._at = time.perf_counter()
 
-    def computed(self, ids: torch.Tensor | None) -> None:
+    def computed(self, ids: torch.Tensor | None, moe_layer: int | None = None) -> None:
         """The layer's compute of the ubatch ended; count its routed experts.
 
         Args:
             ids: `[rows, k]` int64 experts each real row was routed to (an MoE layer,
                 padding rows left out), on the model's device; None for a dense layer.
+            moe_layer: the MoE layer's index among the model's MoE layers (its row of
+                the load window); None for a dense layer.
         """
         if ids is not None:
             ids = ids.flatten()  # [rows*k]
-            self._expert_tokens.index_add_(0, ids, torch.ones_like(ids))
+            ones = torch.ones_like(ids)
+            self._expert_tokens.index_add_(0, ids, ones)
+            if self._window is not None and moe_layer is not None:
+                self._window.index_add_(0, ids + moe_layer * self._num_experts, ones)
         self._stamp()
         now = time.perf_counter()
         self.compute_s += now - self._at
@@ -99,9 +112,13 @@ class StepMeter:
         device: the model's device (the timeline's clock and `expert_tokens` live there).
         num_experts: routed experts per MoE layer (0: a dense model).
         records: FFN steps kept in `steps` (a ring buffer).
+        moe_layers: MoE layers of the model (0: a dense model, no load window).
+        window_size: steps in the load window (`ffn.eplb.window_size`).
     """
 
-    def __init__(self, device: torch.device, num_experts: int, records: int) -> None:
+    def __init__(
+        self, device: torch.device, num_experts: int, records: int, moe_layers: int = 0, window_size: int = 1000
+    ) -> None:
         self.stats = FFNStats()
         """Counters since start; replaced whole at each step's end, so a snapshot read
         from another thread is consistent."""
@@ -113,14 +130,37 @@ class StepMeter:
         a read from another thread does not wait for the steps in flight)."""
         self.timeline = StepTimeline.of(device)
         """Device-timeline stamps of timed steps: `FFNStats.split`."""
+        self.num_experts = num_experts
+        self.load_window = (
+            torch.zeros(window_size, moe_layers, num_experts, dtype=torch.int64, device=device)
+            if moe_layers and num_experts
+            else None
+        )
+        """`[W, L, E]` int64: routed rows of this rank's tokens per (MoE layer, expert)
+        in each of the last W steps (slot `steps % W`); None for a dense model."""
+        self.window_slot = 0
+        """The load window's slot of the step in progress (or of the next one)."""
+        self._window_steps = 0
 
     def begin(self, collective_s: float) -> StepTally:
-        """Start a step now.
+        """Start a step now (it takes the next slot of the load window, cleared).
 
         Args:
             collective_s: the EP group's `collective_s` now, seconds (0 without EP).
         """
+        if self.load_window is not None:
+            self.window_slot = self._window_steps % self.load_window.shape[0]
+            self._window_steps += 1
+            self.load_window[self.window_slot].zero_()
         return StepTally(self, collective_s)
+
+    def window_load(self) -> list[list[int]]:
+        """Routed rows per (MoE layer, expert) `[L][E]` over the last `window_size`
+        steps (fewer since start); empty for a dense model. From any thread: on CUDA it
+        reads what the steps queued so far did, without waiting for the ones in flight."""
+        if self.load_window is None:
+            return []
+        return self.load_window.sum(dim=0).tolist()
 
     def end(
         self,

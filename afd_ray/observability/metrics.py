@@ -162,6 +162,14 @@ METRICS: tuple[Metric, ...] = (
         _RANK,
     ),
     Metric(
+        "afd_eplb_balancedness",
+        Kind.GAUGE,
+        "ratio",
+        "Balancedness of one MoE layer over the FFN pool's expert-load window (ffn.eplb.window_size steps): "
+        "mean over max of the EP ranks' routed rows under the placement in use (1 = balanced; the coordinator).",
+        ("layer",),
+    ),
+    Metric(
         "afd_connector_wait_seconds",
         Kind.HISTOGRAM,
         "seconds",
@@ -169,9 +177,19 @@ METRICS: tuple[Metric, ...] = (
         _RANK,
         _STEP_S,
     ),
-    Metric("afd_pool_ranks", Kind.GAUGE, "ranks", "Live members (starting or ready) of a pool.", ("pool",)),
     Metric(
-        "afd_pool_target_ranks", Kind.GAUGE, "ranks", "Target size of a pool (the last resize asked for it).", ("pool",)
+        "afd_pool_ranks",
+        Kind.GAUGE,
+        "ranks",
+        "Live members (starting or ready) of a pool; pool ffn_standby: FFN ranks standing by outside the layout.",
+        ("pool",),
+    ),
+    Metric(
+        "afd_pool_target_ranks",
+        Kind.GAUGE,
+        "ranks",
+        "Target size of a pool (the last resize asked for it); pool ffn_standby: ffn.standby_ranks.",
+        ("pool",),
     ),
     Metric(
         "afd_epoch",

@@ -122,6 +122,22 @@ class Admin:
         status = HTTPStatus.OK if event.error is None else HTTPStatus.GATEWAY_TIMEOUT
         return JSONResponse(event.model_dump(mode="json"), status_code=status)
 
+    async def eplb(self, request: Request) -> Response:
+        """`POST /afd/eplb`: rebalance the expert placement over the FFN ranks now
+        (`afd_ray.control.eplb`) and answer once it serves, with the `EPLBEvent`: 200
+        (`epoch` null: no layer would gain `ffn.eplb.min_gain`), or 409 with the event's
+        `error` (no expert load yet, a resize under way, the switch failed); 503 with
+        `Retry-After` if the coordinator does not answer within `scale_s`."""
+        denied = self._access.denied(request, Role.ADMIN)
+        if denied is not None:
+            return unauthorized(denied)
+        try:
+            event = await self._ask(self._coordinator.rebalance_experts, within_s=self._scale_s)
+        except TimeoutError as exc:
+            return unavailable(f"{exc}; see GET /afd/status `eplb.rebalances`", self._retry_after_s)
+        status = HTTPStatus.OK if event.error is None else HTTPStatus.CONFLICT
+        return JSONResponse(event.model_dump(mode="json"), status_code=status)
+
     async def set_policy(self, request: Request) -> Response:
         """`POST /afd/autoscale/policy`: replace the running autoscaling policy with the
         body, a policy YAML (or JSON) document (`afd_ray.autoscale.schema.AutoscalePolicy`).

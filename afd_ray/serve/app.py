@@ -99,7 +99,7 @@ def build_app(args: dict[str, object]) -> Application:
         serve.deployment(FFNServer)
         .options(
             name=FFN_DEPLOYMENT,
-            num_replicas=cfg.ffn.num_ranks,
+            num_replicas=cfg.ffn.num_ranks + cfg.ffn.standby_ranks,  # the layout's ranks and the standbys
             graceful_shutdown_timeout_s=cfg.autoscale.resize_timeout_s,
             **_member_placement(cfg.platform, cfg.ffn.bundle_resources, cfg.ffn.placement),
             health_check_period_s=_HEALTH_CHECK_PERIOD_S,

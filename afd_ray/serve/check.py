@@ -21,6 +21,7 @@ import yaml
 from pydantic import ValidationError
 
 from afd_ray.config.tree import AFDConfig
+from afd_ray.layers.fp8 import FP8_CAPABILITY
 
 __all__ = [
     "APP_IMPORT_PATH",
@@ -32,13 +33,12 @@ __all__ = [
     "cluster_errors",
     "file_errors",
     "fp8_device_errors",
+    "policy_errors",
     "validation_errors",
 ]
 
 APP_IMPORT_PATH = "afd_ray.serve.app:build_app"
 """The `import_path` of an afd_ray application in a Serve config file."""
-FP8_CAPABILITY = (8, 9)
-"""Least CUDA compute capability with FP8 tensor cores (Ada, Hopper and later)."""
 NO_FP8_ACCELERATORS = frozenset({"V100", "P100", "T4", "P4", "K80", "A10G", "A100", "A100-40G", "A100-80G"})
 """Ray's NVIDIA accelerator types (`ray.util.accelerators`, the node resource
 `accelerator_type:<type>`) below `FP8_CAPABILITY`. A type not listed is left to vLLM."""
@@ -116,7 +116,6 @@ def args_errors(args: object, prefix: str = "args") -> tuple[AFDConfig | None, l
 
     Returns the config (None when it does not validate) and every error found.
     """
-    from afd_ray.autoscale.loader import load_policy
     from afd_ray.models.embedded import check_gate_placement
 
     try:
@@ -129,11 +128,35 @@ def args_errors(args: object, prefix: str = "args") -> tuple[AFDConfig | None, l
     except ValueError as e:
         found.append(_split_key(prefix, str(e)))
     if cfg.autoscale.policy is not None:
+        where = _path(prefix, ["autoscale", "policy"])
         try:
-            load_policy(cfg.autoscale.policy)
-        except (ValueError, OSError) as e:
-            found.append(ConfigError(_path(prefix, ["autoscale", "policy"]), str(e)))
+            found += [ConfigError(where, f"{cfg.autoscale.policy}: {e}") for e in policy_errors(cfg.autoscale.policy)]
+        except OSError as e:
+            found.append(ConfigError(where, str(e)))
     return cfg, found
+
+
+def policy_errors(path: str | Path) -> list[ConfigError]:
+    """Every error of the autoscaling policy file at `path` (`load_policy`'s checks),
+    one per bad field, each under its key path in the policy (`ffn.step`); a file
+    that is not a YAML mapping gives one error under `<policy>`.
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    from afd_ray.autoscale.loader import PolicyError, load_policy
+    from afd_ray.autoscale.schema import AutoscalePolicy
+
+    try:
+        load_policy(path)
+    except PolicyError as e:
+        if not e.fields:  # not UTF-8 YAML, or not a mapping
+            return [ConfigError("<policy>", str(e).removeprefix(f"{path}: "))]
+        try:
+            AutoscalePolicy.model_validate(yaml.safe_load(Path(path).read_text()))
+        except ValidationError as invalid:
+            return validation_errors(invalid, "")
+    return []
 
 
 def cluster_errors(cfg: AFDConfig, cluster: ClusterResources, prefix: str = "args") -> list[ConfigError]:
@@ -216,8 +239,6 @@ def file_errors(path: Path, cluster: ClusterResources | None) -> tuple[int, list
     """
     from ray.serve.schema import ServeDeploySchema
 
-    from afd_ray.autoscale.loader import PolicyError, load_policy
-
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
@@ -225,11 +246,7 @@ def file_errors(path: Path, cluster: ClusterResources | None) -> tuple[int, list
     if not isinstance(data, dict):
         return 0, [ConfigError("<file>", "expected a Serve config (a mapping with `applications`) or a policy")]
     if "applications" not in data:
-        try:
-            load_policy(path)
-        except PolicyError as e:
-            return 1, [ConfigError("<policy>", str(e))]
-        return 1, []
+        return 1, policy_errors(path)
     try:
         ServeDeploySchema.model_validate(data)
     except ValidationError as e:

@@ -266,6 +266,11 @@ class Ingress:
         """Resize the pools; needs the admin key when one is set (`Admin.scale`)."""
         return await self._admin.scale(request)
 
+    @app.post("/afd/eplb", response_model=None)
+    async def afd_eplb(self, request: Request) -> Response:
+        """Rebalance the experts over the FFN ranks now; needs the admin key when one is set (`Admin.eplb`)."""
+        return await self._admin.eplb(request)
+
     @app.post("/afd/autoscale/policy", response_model=None)
     async def afd_autoscale_policy(self, request: Request) -> Response:
         """Replace the autoscaling policy; needs the admin key when one is set (`Admin.set_policy`)."""

@@ -12,7 +12,7 @@ from vllm.engine.arg_utils import AsyncEngineArgs
 from afd_ray.attention.engine import engine_args
 from afd_ray.attention.ffn_client import FFNPeerConfig
 from afd_ray.config import AttentionPoolConfig, ModelConfig
-from afd_ray.config.engine_args import OWNED
+from afd_ray.config.engine_args import OWNED, engine_arg_value_errors
 from afd_ray.connector.header import FFNAddress
 from afd_ray.control.membership import AttentionAssignment
 from afd_ray.models.embedded import resolve_checkpoint
@@ -87,3 +87,19 @@ def test_every_argument_afd_ray_sets_is_owned() -> None:
         "gate_on_ffn",
     )
     assert chosen.attention_backend == "CPU_ATTN"
+
+
+@pytest.mark.timeout(300)
+def test_values_the_config_refuses_for_their_bounds_vllm_refuses_at_engine_start() -> None:
+    """`attention.engine_args` values out of the bounds of vLLM's config fields
+    (`engine_arg_value_errors`) are the ones vLLM refuses when it builds the engine's
+    config, which it does at engine start; the same values in bounds build."""
+    model = ModelConfig()
+    checkpoint = resolve_checkpoint(model)
+    for name, bad, good in (("block_size", -5, 16), ("max_num_batched_tokens", 0, 512)):
+        assert name in engine_arg_value_errors({name: bad}, "attention.engine_args")
+        assert engine_arg_value_errors({name: good}, "attention.engine_args") == {}
+        args = engine_args(model, AttentionPoolConfig(), checkpoint, "gate_on_ffn")
+        with pytest.raises(ValueError, match=name):  # pydantic's ValidationError from vLLM's config class
+            dataclasses.replace(args, **{name: bad}).create_engine_config()
+        dataclasses.replace(args, **{name: good}).create_engine_config()

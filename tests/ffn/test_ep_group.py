@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from afd_ray.connector.process_group import new_process_group
 from afd_ray.ffn.ep import EPGroup
+from afd_ray.ffn.eplb_policy import LayerPlacement, place_layer
 from afd_ray.ffn.model import load_ffn_stack
 from afd_ray.layers.moe import MoE
 from afd_ray.models.tiny import build_tiny
@@ -23,7 +24,9 @@ from afd_ray.models.tiny import build_tiny
 CPU = torch.device("cpu")
 
 
-def _run_ep(checkpoint: Path, tokens: list[int]) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
+def _run_ep(
+    checkpoint: Path, tokens: list[int], placements: list[LayerPlacement] | None = None
+) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
     """Each EP rank r (a thread with its own store client) sends `tokens[r]` rows through every MoE layer; returns (EP output,
     inputs) per rank and layer."""
     size = len(tokens)
@@ -34,7 +37,7 @@ def _run_ep(checkpoint: Path, tokens: list[int]) -> tuple[list[list[torch.Tensor
 
     def rank(r: int) -> None:
         try:
-            stack = load_ffn_stack(checkpoint, torch.float32, CPU, ep_rank=r, ep_size=size)
+            stack = load_ffn_stack(checkpoint, torch.float32, CPU, ep_rank=r, ep_size=size, placements=placements)
             moe = [block for block in stack.layers if isinstance(block, MoE)]
             client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=30))
             group = new_process_group("gloo", dist.PrefixStore("ep", client), r, size, 30)
@@ -77,6 +80,28 @@ def test_ep_moe_equals_the_single_rank_moe(tmp_path: Path, family: str, tokens: 
             for got, hidden, layer in zip(outputs[r], inputs[r], moe_layers, strict=True):
                 assert got.shape == (tokens[r], full.hidden_size)
                 # Each token's routed rows are summed per owning rank first: float32 rounding only.
+                torch.testing.assert_close(got, full(layer, hidden), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "redundant"), [([6, 5], 2), ([7, 0, 4], 4)], ids=["ep2-r2", "ep3-r4-one-rank-empty"]
+)
+def test_ep_moe_with_replicated_experts_equals_the_single_rank_moe(
+    tmp_path: Path, tokens: list[int], redundant: int
+) -> None:
+    """EPLB placements, different per layer, with hot experts replicated on two ranks:
+    each row of a replicated expert is computed by one replica only (`ExpertSlots`),
+    so the summed output is the single-rank MoE's."""
+    checkpoint = Path(build_tiny("qwen3_moe", tmp_path / "qwen3_moe"))
+    full = load_ffn_stack(checkpoint, torch.float32, CPU)
+    moe_layers = [i for i, block in enumerate(full.layers) if isinstance(block, MoE)]
+    loads = [[100, 90, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 50, 80]][: len(moe_layers)]
+    placements = [place_layer(load, len(tokens), redundant) for load in loads]
+    assert all(max(p.replicas()) >= 2 for p in placements)
+    outputs, inputs = _run_ep(checkpoint, tokens, placements)
+    with torch.inference_mode():
+        for r in range(len(tokens)):
+            for got, hidden, layer in zip(outputs[r], inputs[r], moe_layers, strict=True):
                 torch.testing.assert_close(got, full(layer, hidden), rtol=1e-5, atol=1e-5)
 
 

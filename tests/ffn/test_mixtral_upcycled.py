@@ -58,7 +58,7 @@ def test_matches_transformers_mixtral_and_the_dense_mlp(moe_dir, reference_model
 def test_ep2_shards_read_their_experts_and_sum_to_the_full_moe(moe_dir):
     full = load_ffn_stack(moe_dir, torch.float32, CPU)
     shards = [load_ffn_stack(moe_dir, torch.float32, CPU, ep_rank=r, ep_size=2) for r in range(2)]
-    assert [shard.layers[0].experts.owned for shard in shards] == [range(2), range(2, 4)]
+    assert [shard.layers[0].experts.owned for shard in shards] == [(0, 1), (2, 3)]
     with torch.no_grad():
         for i, x in enumerate(_inputs(full.num_layers, full.hidden_size)):
             routing = full.layers[i].route(x)

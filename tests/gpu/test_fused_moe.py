@@ -27,7 +27,7 @@ def test_fused_moe_layer_matches_float32(tmp_path) -> None:
     from afd_ray.bench.moe_layer import moe_shapes, run
 
     out = tmp_path / "moe.json"
-    results = run(argparse.Namespace(out=str(out), tokens=[1, 64, 200], iters=3, sweep=False))
+    results = run(argparse.Namespace(out=str(out), tokens=[1, 64, 200], iters=3, sweep=False, quantization=None))
     print(json.dumps(results, indent=1))
     for name in moe_shapes():
         for tokens, record in results[name]["tokens"].items():
