@@ -162,7 +162,7 @@ class CudaIpcPair:
         own_pad = self._handle.get_signal_pad(rank).view(torch.int32)
         entry = own_pad.numel() - 2 + peer  # world size 2: last channel, from the peer
         self._slot(self._buffer, 1 - self._send_direction, 0)[:16].view(torch.int64).copy_(
-            torch.tensor([pid, rank + 1], dtype=torch.int64)
+            torch.tensor([pid, rank + 1], dtype=torch.int64, device="cpu")
         )
         own_pad[entry : entry + 1].fill_(pid % 2**31)
         stream.synchronize()
@@ -241,9 +241,14 @@ class CudaIpcPair:
 
 
 def _allgather(group: dist.ProcessGroup, value: int) -> list[int]:
-    """`value` of every rank of `group` (gloo, host tensors), by rank; a host barrier."""
-    outs = [torch.empty(1, dtype=torch.int64) for _ in range(group.size())]
-    group.allgather([outs], [torch.tensor([value], dtype=torch.int64)]).wait()
+    """`value` of every rank of `group` (gloo, host tensors), by rank; a host barrier.
+
+    The tensors are on the host explicitly: vLLM's GPU worker builds (and connects) the
+    model under a CUDA default device, where a bare `torch.tensor` is a CUDA tensor that
+    gloo refuses ("No backend type associated with device type cuda": every served
+    cuda_ipc pair failed so on the H100 run of 2026-12-07)."""
+    outs = [torch.empty(1, dtype=torch.int64, device="cpu") for _ in range(group.size())]
+    group.allgather([outs], [torch.tensor([value], dtype=torch.int64, device="cpu")]).wait()
     return [int(out.item()) for out in outs]
 
 

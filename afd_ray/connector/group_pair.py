@@ -127,7 +127,8 @@ class GroupPair:
         for group in self._groups:
             if self._backend == "gloo":
                 try:
-                    group.recv([torch.empty(1, dtype=torch.uint8)], self._other, _CLOSE_TAG).wait(_CLOSE_WAIT)
+                    nothing = torch.empty(1, dtype=torch.uint8, device="cpu")
+                    group.recv([nothing], self._other, _CLOSE_TAG).wait(_CLOSE_WAIT)
                 except RuntimeError:
                     pass  # the expected timeout, or the pair was closed already (the peer closed or died)
             group.shutdown()

@@ -65,8 +65,9 @@ def _afd_block(vllm_block: torch.nn.Module, config) -> torch.nn.Module:
         bias = getattr(vllm_block.gate, "e_score_correction_bias", None)
         if block.gate.e_score_correction_bias is not None and bias is not None:
             block.gate.e_score_correction_bias.copy_(bias)
-        block.experts.gate_up.copy_(vllm_block.experts.w13_weight)
-        block.experts.down.copy_(vllm_block.experts.w2_weight)
+        routed = vllm_block.experts.routed_experts  # FusedMoE(...) is a MoERunner; its RoutedExperts hold the weights
+        block.experts.gate_up.copy_(routed.w13_weight)
+        block.experts.down.copy_(routed.w2_weight)
         shared = getattr(vllm_block, "shared_experts", None)
         if block.shared_experts is not None and shared is not None:
             gate, up = shared.gate_up_proj.weight.chunk(2, dim=0)

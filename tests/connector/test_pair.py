@@ -47,3 +47,15 @@ def test_each_cpu_transport_opens_a_pair_that_exchanges_exact_bytes(transport: s
     ffn.close()
     with pytest.raises(RuntimeError, match="pair closed"):
         attention.recv([answer], 0).wait()
+
+
+def test_the_cuda_ipc_host_barrier_keeps_its_tensors_on_the_host_under_another_default_device() -> None:
+    """vLLM's GPU worker connects the model under a CUDA default device; the cuda_ipc
+    pair's gloo all-gather made its tensors there and gloo refused them (every served
+    cuda_ipc pair failed on the H100 run of 2026-12-07). A meta default device is the
+    same trap on CPU."""
+    from afd_ray.connector.cuda_ipc import _allgather
+
+    group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1)
+    with torch.device("meta"):
+        assert _allgather(group, 7) == [7]
