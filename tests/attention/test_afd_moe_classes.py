@@ -56,7 +56,7 @@ class _Block(nn.Module):
 
 class TransformersFFN(nn.Module):
     """The FFN stack `FFNRuntime` drives (`layers[i]`, `num_layers`, `hidden_size`,
-    `moe_blocks`, `forward(layer, hidden)`), made of transformers' own per-layer blocks."""
+    `moe_blocks`, `moe_index`, `forward(layer, hidden)`), made of transformers' own per-layer blocks."""
 
     gate_on_attention = False  # the FFN routes (gate_on_ffn)
 
@@ -74,6 +74,11 @@ class TransformersFFN(nn.Module):
     def moe_blocks(self) -> list[nn.Module]:
         """None of afd_ray's `MoE` blocks (transformers' own): the runtime counts no expert load."""
         return []
+
+    @property
+    def moe_index(self) -> tuple[None, ...]:
+        """Each layer's index among afd_ray's MoE layers: None, none is one."""
+        return (None,) * len(self.layers)
 
     def forward(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
         """FFN of decoder layer `layer`: hidden `[T, H]` -> `[T, H]`."""
