@@ -11,7 +11,7 @@ import yaml
 
 from afd_ray.cli import main
 from afd_ray.config import AFDConfig
-from afd_ray.serve.check import ClusterResources, fp8_device_errors
+from afd_ray.serve.check import ClusterResources, cluster_errors, fp8_device_errors
 
 ROOT = Path(__file__).parents[1]
 SHIPPED = sorted((ROOT / "deployments").glob("*.yaml"))
@@ -108,6 +108,22 @@ def test_pools_are_checked_against_the_running_cluster(
     assert _check(capsys, str(path), "--offline")[0] == 0
     fits = ROOT / "deployments" / "afd.yaml"
     assert _check(capsys, str(fits))[1] == f"{fits}: OK (1 checked; pools checked against this process's Ray cluster)\n"
+
+
+def test_ffn_standby_ranks_are_counted_against_the_cluster() -> None:
+    """The FFN deployment runs `num_ranks + standby_ranks` replicas, one bundle each:
+    2 + 1 FFN bundles of 2 CPU and 1 attention bundle of 1 CPU need 6 + 1 CPU. Before,
+    the standby was not counted (4 + 1 CPU passed on 5 and 6, then a replica never
+    started)."""
+    cfg = AFDConfig.model_validate({"ffn": {"num_ranks": 2, "max_ranks": 2, "standby_ranks": 1, "bundle_resources": 2}})
+
+    def errors(cpus: float) -> list[str]:
+        cluster = ClusterResources(total={"CPU": cpus}, largest_node={"CPU": cpus})
+        return [str(e) for e in cluster_errors(cfg, cluster, prefix="")]
+
+    assert errors(5) == ["ffn: num_ranks 2 + standby_ranks 1 = 3 x 2 CPU = 6 CPU, the running Ray cluster has 5"]
+    assert errors(6) == ["<root>: attention + ffn at start need 7 CPU, the running Ray cluster has 6"]
+    assert errors(7) == []
 
 
 def test_fp8_is_refused_on_gpus_without_fp8_kernels() -> None:

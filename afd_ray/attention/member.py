@@ -9,7 +9,8 @@ another FFN peer, the worker re-peers between two engine steps
 (`AFDWorkerExtension.afd_repeer`); once it marks the rank DRAINING, `draining` is set,
 and `drained` `autoscale.drain_timeout_s` later (running requests then end with an
 error). A restarted coordinator that does not know the rank is told who it is
-(`rejoin_attention`). `Member.leave` closes the pair channel (LEAVE, then GONE).
+(`rejoin_attention`). `Member.leave` closes the pair channel (LEAVE, then GONE);
+`Member.abandon` tells the coordinator the rank's engine failed to start (GONE).
 
 The rescue endpoint: a worker whose FFN peer died inside a forward pass cannot be
 reached through the engine (it is blocked in that pass), and runs in vLLM's EngineCore
@@ -48,6 +49,9 @@ _REPORT_PERIOD_S = 1.0
 """How often an attention rank sends its autoscaling signals to the coordinator."""
 _WATCH_PERIOD_S = 0.5
 """How often an attention rank asks the coordinator for its state and FFN peer."""
+_ABANDON_WAIT_S = 5.0
+"""Longest wait of a rank whose engine failed to start for the coordinator to take
+note (`Member.abandon`), seconds."""
 
 
 class Member:
@@ -122,6 +126,20 @@ class Member:
         await engine.collective_rpc("afd_close")
         if not deleting:
             await self._coordinator.attention_gone.remote(self.rank)
+
+    async def abandon(self) -> None:
+        """This rank's engine did not start: tell the coordinator the rank is gone
+        (`attention_failed`), waiting at most `_ABANDON_WAIT_S`; best effort, since a
+        coordinator that does not answer retires the rank once Serve removed its
+        replica (`Resizer.watch_replicas`). Then close the rescue endpoint."""
+        try:
+            await asyncio.wait_for(self._coordinator.attention_failed.remote(self.rank), _ABANDON_WAIT_S)
+        except Exception:  # noqa: BLE001 - logged; the coordinator's replica watch retires the rank
+            logger.warning("attention rank %d: telling the coordinator of its failed start failed", self.rank)
+        finally:
+            for task in self._tasks:
+                task.cancel()
+            self.close()
 
     def close(self) -> None:
         """Close the rescue endpoint."""

@@ -103,7 +103,9 @@ class AttentionServer:
 
         Raises:
             ValueError: `model.source` cannot be resolved to a checkpoint folder, or
-                its architecture has no AFD class.
+                its architecture has no AFD class. Whatever fails after the rank
+                registered (e.g. vLLM refusing the engine at start) is raised after
+                the rank is reported gone (`_failed_start`).
             TimeoutError: the FFN layout did not serve within
                 `autoscale.resize_timeout_s` (a starting FFN rank is waited for as
                 long as a resize may take: under load its start can outlast
@@ -116,12 +118,29 @@ class AttentionServer:
         """Set once the coordinator marked this rank DRAINING."""
         self._drained: asyncio.Event = self._member.drained
         """Set `drain_timeout_s` after draining began: running requests end with an error."""
-        os.environ.update(engine_env(attention))
-        checkpoint = resolve_checkpoint(model)
-        args = engine_args(model, attention, checkpoint, gate_placement, self._member.assignment)
-        self._start(args, model.name, checkpoint, observability.metrics)
-        publisher = AttentionPublisher(self.rank) if observability.metrics else None
-        await self._member.serve(self._engine, self._recorder, publisher, observability.step_records)
+        try:
+            os.environ.update(engine_env(attention))
+            checkpoint = resolve_checkpoint(model)
+            args = engine_args(model, attention, checkpoint, gate_placement, self._member.assignment)
+            self._start(args, model.name, checkpoint, observability.metrics)
+            publisher = AttentionPublisher(self.rank) if observability.metrics else None
+            await self._member.serve(self._engine, self._recorder, publisher, observability.step_records)
+        except Exception:
+            await self._failed_start()
+            raise
+
+    async def _failed_start(self) -> None:
+        """The engine did not start (or not connect): shut it down if it started and
+        tell the coordinator this rank is gone (`Member.abandon`), so that neither
+        `/afd/status` nor the pool size counts it while Serve retries the replica.
+        Serve may still call `__del__`: without an engine it does nothing."""
+        engine: AsyncLLM | None = getattr(self, "_engine", None)
+        try:
+            if engine is not None:
+                del self._engine
+                engine.shutdown()
+        finally:
+            await self._member.abandon()
 
     def _start(self, args: AsyncEngineArgs, served_name: str, checkpoint: Path, metrics: bool) -> None:
         """Start the engine from `args` and vLLM's OpenAI serving layer on it; the

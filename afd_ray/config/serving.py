@@ -92,8 +92,8 @@ class IngressConfig(Section):
     goes in the YAML."""
 
     admin_key_env: str | None = None
-    """Name of the environment variable that holds the admin key of `POST /afd/scale`
-    and `/afd/autoscale/*`; None: those routes are open."""
+    """Name of the environment variable that holds the admin key of `POST /afd/scale`,
+    `POST /afd/eplb` and `/afd/autoscale/*`; None: those routes are open."""
 
     placement: IngressPlacement = "head"
     """Ray node of the ingress replicas. HAProxy passes each request to an ingress

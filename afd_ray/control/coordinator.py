@@ -12,7 +12,8 @@ its own; the parts are:
 - `autoscaler.Autoscaler`: the live policy loop;
 - `observability.signals.SignalAggregator`: the autoscaling signals;
 - `observability.steps.StepLog`: both pools' step records, for `trace`;
-- `observability.publish.CoordinatorPublisher`: pool, resize and autoscaler metrics.
+- `observability.publish.CoordinatorPublisher`: pool, resize and autoscaler metrics;
+- `status.StatusView`: `/afd/status`, the pool load and the metrics snapshot.
 """
 
 from __future__ import annotations
@@ -49,10 +50,10 @@ from afd_ray.control.membership import (
     ResizeEvent,
     ScaleRequest,
 )
-from afd_ray.control.placement import live_count, live_ranks, serving_ffn
 from afd_ray.control.recovery import Recovery
 from afd_ray.control.registry import Registry
-from afd_ray.control.resize import ATTENTION_DEPLOYMENT, FFN_DEPLOYMENT, FFN_STANDBY, Resizer
+from afd_ray.control.resize import ATTENTION_DEPLOYMENT, FFN_DEPLOYMENT, Resizer
+from afd_ray.control.status import StatusView
 from afd_ray.ffn.eplb_records import EPLBEvent
 from afd_ray.observability.publish import CoordinatorPublisher
 from afd_ray.observability.signals import AttentionReport, SignalAggregator
@@ -65,9 +66,6 @@ __all__ = ["ATTENTION_DEPLOYMENT", "FFN_DEPLOYMENT", "Coordinator"]
 
 logger = logging.getLogger("ray.serve")
 """Serve's logger: resizes show in the coordinator replica's log and on the console."""
-
-_PUBLISH_PERIOD_S = 0.5
-"""How often pool sizes, the epoch and new resize events are exported as metrics."""
 
 
 class Coordinator:
@@ -105,6 +103,7 @@ class Coordinator:
             self._registry, self._resizer, app, ffn.heartbeat_timeout_s, autoscale.resize_timeout_s
         )
         self._signals = SignalAggregator()
+        self._view = StatusView(self._registry, self._resizer, self._recovery, self._signals)
         self._steps = StepLog(observability.step_records)
         self._published = CoordinatorPublisher() if observability.metrics else None
         self._paused = False
@@ -133,7 +132,7 @@ class Coordinator:
         self._eplb = EPLBController(ffn.eplb, self._registry, self._resizer, observability.metrics)
         self._tasks.append(asyncio.create_task(self._eplb.run()))
         if self._published is not None:
-            self._tasks.append(asyncio.create_task(self._publish(self._published)))
+            self._tasks.append(asyncio.create_task(self._view.publish(self._published)))
 
     # --- FFN pool --------------------------------------------------------------
 
@@ -282,6 +281,12 @@ class Coordinator:
         if self._registry.attention_leaving(rank):
             await self._registry.notify()
 
+    async def attention_failed(self, rank: int) -> None:
+        """Attention rank `rank` failed to start (its engine did not start) and exits:
+        GONE, no longer listed (`Registry.attention_failed`)."""
+        if self._registry.attention_failed(rank):
+            await self._registry.notify()
+
     async def attention_gone(self, rank: int) -> None:
         """Attention rank `rank` closed its pair channel (LEAVE sent) and exits."""
         if self._registry.attention_gone(rank):
@@ -337,45 +342,17 @@ class Coordinator:
         each split across the pools (`afd_ray.observability.steps.breakdown`)."""
         return self._steps.breakdown(request_id)
 
-    async def _publish(self, published: CoordinatorPublisher) -> None:
-        """Every `_PUBLISH_PERIOD_S`: export the pool sizes, targets and epoch, and
-        each resize event finished since."""
-        registry, resizer = self._registry, self._resizer
-        exported = 0
-        while True:
-            await asyncio.sleep(_PUBLISH_PERIOD_S)
-            live = {ATTENTION_DEPLOYMENT: live_count(registry.attention), FFN_DEPLOYMENT: live_count(registry.ffn)}
-            live[FFN_STANDBY] = sum(m.state is MemberState.STANDBY for m in registry.ffn.values())
-            published.pools(live, dict(resizer.targets) | {FFN_STANDBY: resizer.standby_ranks}, registry.epoch)
-            for event in resizer.resizes[exported:]:
-                trigger = "manual" if event.reason == "manual" else "autoscaler"
-                published.resize(trigger, event.error is None, event.duration_s, event.pause_s)
-            exported = len(resizer.resizes)
-
     async def metrics(self) -> MetricsSnapshot:
         """The autoscaling signals of the current members (FFN standbys excluded) over
         the last `SignalAggregator.window_s` seconds."""
-        registry = self._registry
-        return self._signals.snapshot(time.time(), live_ranks(registry.attention), serving_ffn(registry.ffn))
+        return self._view.metrics()
 
     async def pool_load(self) -> PoolLoad | None:
         """What the ingress admits requests against: READY attention ranks, their KV
         usage and latencies, FFN rows per step, and whether a resize or recovery runs;
         None while no attention rank is known (just started, or restarted and the
         members have not rejoined yet: the ingress keeps its last load)."""
-        registry = self._registry
-        if not registry.attention:
-            return None
-        metrics = await self.metrics()
-        return PoolLoad(
-            attention_ranks=sum(m.state is MemberState.READY for m in registry.attention.values()),
-            kv_cache_usage=metrics.kv_cache_usage,
-            ffn_tokens_per_step=metrics.tokens_per_ffn_step,
-            ttft_p90_s=metrics.ttft_p90_s,
-            tpot_p90_s=metrics.tpot_p90_s,
-            resizing=self._resizer.busy,
-            recovering=self._recovery.recovering,
-        )
+        return self._view.pool_load()
 
     async def status(self) -> AFDStatus:
         """Epoch, the attention ranks with their state and FFN peer (a GONE one until
@@ -383,19 +360,4 @@ class Coordinator:
         the FFN layout, the FFN ranks with their state and counters (a GONE one until
         the layout is whole again), targets, resize and recovery events, autoscaling
         signals."""
-        registry, targets = self._registry, self._resizer.targets
-        return AFDStatus(
-            epoch=registry.epoch,
-            attention=registry.listed_attention(),
-            attention_waiting={replica: time.monotonic() - since for replica, since in self._joining.items()},
-            ffn=registry.listed_ffn(),
-            target_attention=targets[ATTENTION_DEPLOYMENT],
-            target_ffn=targets[FFN_DEPLOYMENT],
-            target_standby=self._resizer.standby_ranks,
-            autoscale_paused=self._paused,
-            autoscale_enabled=self._autoscaler is not None,
-            resizes=self._resizer.resizes,
-            recoveries=self._recovery.events,
-            metrics=await self.metrics(),
-            eplb=self._eplb.status(),
-        )
+        return self._view.status(self._joining, self._paused, self._autoscaler is not None, self._eplb.status())

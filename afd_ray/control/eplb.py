@@ -88,12 +88,13 @@ class EPLBController:
 
     def _window(self) -> tuple[list[list[int]], tuple[Slots, ...]] | None:
         """The pool's window load `[L][E]` over the serving layout's ranks, and the
-        placement in use; None before any MoE load was reported."""
+        placement in use; None before any routed row was reported (a dense model, or
+        MoE ranks that served no step yet and report windows of zeros)."""
         registry = self._registry
         loads = [self._loads[r] for r in registry.layout if r in self._loads]
-        if not loads:
-            return None
         total = [[sum(rows) for rows in zip(*layer, strict=True)] for layer in zip(*loads, strict=True)]
+        if not any(map(any, total)):
+            return None
         placed = self.placed(registry.layout_epoch)
         if placed is None:
             placed = (default_slots(len(total[0]), len(registry.layout)),) * len(total)

@@ -240,6 +240,18 @@ class Registry:
         self.set_attention(rank, MemberState.GONE)
         return True
 
+    def attention_failed(self, rank: int) -> bool:
+        """Attention rank `rank` failed to start (or its replica vanished while STARTING):
+        GONE and retired at once, as it never served; `vanished`, so its FFN peer drops
+        the pair if the worker opened one. False: unknown, or not STARTING."""
+        member = self._reporting(rank, "a failed start")
+        if member is None or member.state is not MemberState.STARTING:
+            return False
+        self.set_attention(rank, MemberState.GONE)
+        self.vanished.add(rank)
+        self.retired_attention.add(rank)
+        return True
+
     def _reporting(self, rank: int, report: str) -> AttentionMember | None:
         """The record of attention rank `rank`, or None with a warning when this
         registry does not know it."""

@@ -20,7 +20,8 @@ through each change, one resize at a time, each returning once the new layout se
   nothing over: the recovery finds it dead once it is gone.
 
 It also watches Serve's replica states: a stopping attention replica is DRAINING, a
-vanished one GONE (its FFN peer drops its pair).
+vanished one GONE (its FFN peer drops its pair), also one that vanished while STARTING
+(its start failed; not listed).
 """
 
 from __future__ import annotations
@@ -359,7 +360,8 @@ class Resizer:
     async def watch_replicas(self) -> None:
         """Forever: mark attention ranks DRAINING when Serve stops their replica, GONE
         when the replica vanished without leaving (it died or was killed); retire the
-        GONE ones once the pool has its target READY ranks again."""
+        GONE ones once the pool has its target READY ranks again, and at once a
+        STARTING one whose replica vanished (its start failed: `Registry.attention_failed`)."""
         registry = self._registry
         while True:
             await asyncio.sleep(WATCH_PERIOD_S)
@@ -377,5 +379,9 @@ class Resizer:
                     logger.warning("attention rank %d: replica %s vanished", member.rank, member.replica)
                     registry.vanished.add(member.rank)
                     registry.set_attention(member.rank, MemberState.GONE)
+                    await registry.notify()
+                elif member.state is MemberState.STARTING and state is None:
+                    logger.warning("attention rank %d: replica %s vanished while starting", member.rank, member.replica)
+                    registry.attention_failed(member.rank)
                     await registry.notify()
             registry.retire_gone_attention(self.targets[ATTENTION_DEPLOYMENT])

@@ -160,18 +160,22 @@ def policy_errors(path: str | Path) -> list[ConfigError]:
 
 
 def cluster_errors(cfg: AFDConfig, cluster: ClusterResources, prefix: str = "args") -> list[ConfigError]:
-    """The pools at their starting size (`num_ranks`) against a running cluster: each
-    pool's bundles, then both pools together, must fit in what the cluster has, and
-    each bundle on one node; FP8 needs GPUs with FP8 kernels (`fp8_device_errors`)."""
+    """The pools at their starting size (`num_ranks`, plus `ffn.standby_ranks` FFN
+    replicas) against a running cluster: each pool's bundles, then both pools together,
+    must fit in what the cluster has, and each bundle on one node; FP8 needs GPUs with
+    FP8 kernels (`fp8_device_errors`)."""
     from afd_ray.platform import resource_key
 
     key = resource_key(cfg.platform)
     found = []
     needs: dict[str, float] = {}
     short: set[str] = set()
-    for name, pool in (("attention", cfg.attention), ("ffn", cfg.ffn)):
+    for name, pool, bundles, counted in (
+        ("attention", cfg.attention, cfg.attention.num_ranks, f"num_ranks {cfg.attention.num_ranks}"),
+        ("ffn", cfg.ffn, *_ffn_bundles(cfg)),
+    ):
         for resource, amount in {key: pool.bundle_resources, **pool.placement.resources}.items():
-            need = pool.num_ranks * amount
+            need = bundles * amount
             needs[resource] = needs.get(resource, 0.0) + need
             has, largest = cluster.total.get(resource, 0.0), cluster.largest_node.get(resource, 0.0)
             if need > has:
@@ -179,8 +183,7 @@ def cluster_errors(cfg: AFDConfig, cluster: ClusterResources, prefix: str = "arg
                 found.append(
                     ConfigError(
                         _path(prefix, [name]),
-                        f"num_ranks {pool.num_ranks} x {amount:g} {resource} = {need:g} {resource}, "
-                        f"the running Ray cluster has {has:g}",
+                        f"{counted} x {amount:g} {resource} = {need:g} {resource}, the running Ray cluster has {has:g}",
                     )
                 )
             elif amount > largest:
@@ -200,6 +203,16 @@ def cluster_errors(cfg: AFDConfig, cluster: ClusterResources, prefix: str = "arg
                 )
             )
     return found + fp8_device_errors(cfg, cluster, prefix)
+
+
+def _ffn_bundles(cfg: AFDConfig) -> tuple[int, str]:
+    """The FFN bundles at start, one per replica: the layout's `num_ranks` plus the
+    `standby_ranks` Serve runs beside them; and how the error message counts them."""
+    ffn = cfg.ffn
+    if not ffn.standby_ranks:
+        return ffn.num_ranks, f"num_ranks {ffn.num_ranks}"
+    bundles = ffn.num_ranks + ffn.standby_ranks
+    return bundles, f"num_ranks {ffn.num_ranks} + standby_ranks {ffn.standby_ranks} = {bundles}"
 
 
 def fp8_device_errors(cfg: AFDConfig, cluster: ClusterResources, prefix: str = "args") -> list[ConfigError]:

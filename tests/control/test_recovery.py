@@ -10,9 +10,12 @@ from collections.abc import Callable
 from afd_ray.config import AFDConfig
 from afd_ray.connector.header import FFNAddress
 from afd_ray.control.membership import LoopState, MemberState
+from afd_ray.control.placement import live_count
 from afd_ray.control.recovery import Recovery
 from afd_ray.control.registry import Registry
 from afd_ray.control.resize import Resizer
+from afd_ray.control.status import StatusView
+from afd_ray.observability.signals import SignalAggregator
 
 LOADING_SILENCE_S = 14.0
 """How long the SmolLM2 FFN rank of deployments/afd.yaml went without a report while
@@ -171,3 +174,53 @@ def test_gone_attention_ranks_leave_the_listing_once_the_pool_is_whole() -> None
 
     asyncio.run(run())
     assert registry.attention[0].state is MemberState.GONE and registry.add_attention("a#3").rank == 3
+
+
+def test_attention_ranks_whose_start_failed_are_gone_and_not_listed() -> None:
+    """2A at most (`attention.max_ranks` 2), one READY: the second replica's engine
+    fails at start on every Serve retry. A failed start the rank reports itself, and
+    one whose replica vanished while STARTING (the report never reached the
+    coordinator), are GONE and not listed, not counted in the pool size, and their
+    FFN peer is told to drop them; `/afd/status` never lists more than 2 attention
+    ranks. Before, nothing unregistered them: each retry left a STARTING rank listed
+    and counted for ever (3 listed for `max_ranks` 2)."""
+    cfg = AFDConfig.model_validate({"attention": {"num_ranks": 2, "max_ranks": 2}})
+    registry = Registry("gloo", cfg.connector.timeout_s, 1)
+    registry.add_ffn(FFNAddress("127.0.0.1", 1, 2), replica="ffn#0")
+    serve = _Serve(**{"a#0": "RUNNING"})
+    registry.set_attention(registry.add_attention("a#0").rank, MemberState.READY)
+    resizer = Resizer(registry, "afd", cfg.attention, cfg.ffn, cfg.autoscale, replicas=serve)
+    recovery = Recovery(registry, resizer, "afd", cfg.ffn.heartbeat_timeout_s, 10.0, replicas=serve)
+    view = StatusView(registry, resizer, recovery, SignalAggregator())
+
+    def listed() -> list[tuple[int, MemberState]]:
+        return [(m.rank, m.state) for m in view.status({}, False, False, None).attention]
+
+    async def run() -> None:
+        watch = asyncio.create_task(resizer.watch_replicas())
+        try:
+            serve.states["a#1"] = "STARTING"
+            reported = registry.add_attention("a#1").rank
+            assert listed() == [(0, MemberState.READY), (reported, MemberState.STARTING)]
+            assert registry.attention_failed(reported)  # `AttentionServer._failed_start`
+            assert not registry.attention_failed(reported)  # a second report changes nothing
+            assert listed() == [(0, MemberState.READY)]
+            del serve.states["a#1"]
+
+            serve.states["a#2"] = "STARTING"  # Serve's retry; its report is lost
+            silent = registry.add_attention("a#2").rank
+            assert listed() == [(0, MemberState.READY), (silent, MemberState.STARTING)]
+            await asyncio.sleep(1.0)  # two watch periods: a starting replica is left alone
+            assert registry.attention[silent].state is MemberState.STARTING
+            del serve.states["a#2"]
+            await _until(lambda: registry.attention[silent].state is MemberState.GONE, 10)
+            assert listed() == [(0, MemberState.READY)]
+        finally:
+            watch.cancel()
+
+    asyncio.run(run())
+    assert registry.attention[1].state is registry.attention[2].state is MemberState.GONE
+    assert registry.ffn_directive(0, 0).dead_peers == [1, 2]
+    assert view.pool_load() is not None and view.pool_load().attention_ranks == 1
+    assert live_count(registry.attention) == 1  # the pool size the metrics and resizes count
+    assert registry.attention_directive(2).state is MemberState.GONE  # a late poll reads GONE, never rejoins

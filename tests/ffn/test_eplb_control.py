@@ -97,12 +97,16 @@ def test_a_rebalance_switches_the_layout_to_the_balanced_placement(redundant: in
 def test_a_rebalance_without_load_or_during_a_resize_is_refused() -> None:
     registry, eplb = _controller({})
     assert "no expert load" in asyncio.run(eplb.rebalance("manual")).error
+    for rank in range(2):  # MoE ranks that served no step yet report windows of zeros
+        eplb.report(rank, [[0] * 8, [0] * 8])
+    assert eplb.status() is None  # a fresh-user trial saw balancedness 1.0 and a 200 with epoch null
+    assert "no expert load" in asyncio.run(eplb.rebalance("manual")).error
     for rank, load in enumerate(SKEWED):
         eplb.report(rank, load)
     registry.plan = Plan(registry.next_epoch(), registry.layout, None)  # a layout change pending
     event = asyncio.run(eplb.rebalance("manual"))
     assert "layout is changing" in event.error and event.epoch is None
-    assert [e.error is not None for e in eplb.events] == [True, True]
+    assert [e.error is not None for e in eplb.events] == [True, True, True]
 
 
 @pytest.mark.parametrize(

@@ -268,23 +268,26 @@ def test_deadline_header(guarded: httpx.Client) -> None:
 
 
 ROUTES = [
-    ("GET", "/v1/models", None, USER),
-    ("POST", "/v1/completions", _completion(stream=False, max_tokens=2), USER),
+    ("GET", "/v1/models", None, USER, 200),
+    ("POST", "/v1/completions", _completion(stream=False, max_tokens=2), USER, 200),
     (
         "POST",
         "/v1/chat/completions",
         {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
         USER,
+        200,
     ),
-    ("POST", "/afd/scale", {"attention": 1, "ffn": 1}, ADMIN),
-    ("POST", "/afd/autoscale/resume", None, ADMIN),
-    ("POST", "/afd/autoscale/policy", {}, ADMIN),  # an empty policy: 1:1, no signals
+    ("POST", "/afd/scale", {"attention": 1, "ffn": 1}, ADMIN, 200),
+    ("POST", "/afd/autoscale/resume", None, ADMIN, 200),
+    ("POST", "/afd/autoscale/policy", {}, ADMIN, 200),  # an empty policy: 1:1, no signals
+    ("POST", "/afd/eplb", None, ADMIN, 409),  # a dense model: no expert load to rebalance
 ]
+"""method, route, body, the key it needs, the status once it has that key."""
 
 
-@pytest.mark.parametrize(("method", "route", "body", "key"), ROUTES, ids=[r[1] for r in ROUTES])
+@pytest.mark.parametrize(("method", "route", "body", "key", "allowed"), ROUTES, ids=[r[1] for r in ROUTES])
 def test_protected_routes_need_their_key(
-    guarded: httpx.Client, method: str, route: str, body: dict | None, key: dict[str, str]
+    guarded: httpx.Client, method: str, route: str, body: dict | None, key: dict[str, str], allowed: int
 ) -> None:
     other = ADMIN if key is USER else USER
     for headers in ({}, {"Authorization": "Bearer wrong"}, other, {"Authorization": API_KEY}):
@@ -292,7 +295,7 @@ def test_protected_routes_need_their_key(
         assert response.status_code == 401, (headers, response.text)
         assert response.headers["www-authenticate"] == "Bearer"
     response = guarded.request(method, route, json=body, headers=key)
-    assert response.status_code == 200, response.text
+    assert response.status_code == allowed, response.text
 
 
 def test_read_only_routes_stay_open(guarded: httpx.Client) -> None:
