@@ -40,7 +40,7 @@ class EPLBConfig(Section):
     `(E + num_redundant_experts) / ep_size` experts per layer. At most one replica of an
     expert per rank, so at most `E·(ep_size - 1)`; with a pool size that does not divide
     `E + num_redundant_experts`, the largest count that does is used
-    (`afd_ray.ffn.eplb.redundant_for`). Needs `ffn.min_ranks` >= 2."""
+    (`afd_ray.eplb.slots.redundant_for`). Needs `ffn.min_ranks` >= 2."""
 
     log_balancedness: bool = False
     """Log the balancedness of every MoE layer at every policy evaluation (vLLM's
@@ -52,4 +52,4 @@ class EPLBConfig(Section):
 
     min_gain: float = Field(0.02, ge=0, lt=1)
     """A layer moves only if the new placement raises its balancedness on the window's
-    load by at least this much (`afd_ray.ffn.eplb_policy.rebalance`)."""
+    load by at least this much (`afd_ray.eplb.policy.rebalance`)."""

@@ -54,7 +54,7 @@ from afd_ray.control.recovery import Recovery
 from afd_ray.control.registry import Registry
 from afd_ray.control.resize import ATTENTION_DEPLOYMENT, FFN_DEPLOYMENT, Resizer
 from afd_ray.control.status import StatusView
-from afd_ray.ffn.eplb_records import EPLBEvent
+from afd_ray.eplb.records import EPLBEvent
 from afd_ray.observability.publish import CoordinatorPublisher
 from afd_ray.observability.signals import AttentionReport, SignalAggregator
 from afd_ray.observability.stall import LoopWatch

@@ -9,7 +9,7 @@ the `afd_eplb_balancedness` gauge.
 
 A rebalance (`POST /afd/eplb`, or the policy: every `step_interval` FFN steps while the
 mean balancedness is under `balancedness_bound`) computes the new placement with
-`afd_ray.ffn.eplb_policy.rebalance` and switches to it the way an FFN resize does
+`afd_ray.eplb.policy.rebalance` and switches to it the way an FFN resize does
 (`Resizer.relayout`): a new layout epoch over the same FFN ranks, each rank loading its
 new slots beside the old ones (copying what it holds, reading the rest from the
 checkpoint) while the old layout serves, all switching at one agreed step boundary.
@@ -27,9 +27,9 @@ from afd_ray.config.eplb import EPLBConfig
 from afd_ray.control.membership import EPAssignment, FFNDirective
 from afd_ray.control.registry import Registry
 from afd_ray.control.resize import Resizer
-from afd_ray.ffn.eplb import Slots, default_slots, layer_balancedness, rank_rows, redundant_for
-from afd_ray.ffn.eplb_policy import LayerPlacement, rebalance
-from afd_ray.ffn.eplb_records import EPLBEvent, EPLBStatus
+from afd_ray.eplb.slots import Slots, default_slots, layer_balancedness, rank_rows, redundant_for
+from afd_ray.eplb.policy import LayerPlacement, rebalance
+from afd_ray.eplb.records import EPLBEvent, EPLBStatus
 from afd_ray.observability.metrics import MetricSet
 
 __all__ = ["EPLBController"]

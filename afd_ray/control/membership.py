@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict
 from afd_ray.autoscale.schema import MetricsSnapshot
 from afd_ray.connector.header import FFNAddress
 from afd_ray.connector.transports import Transport
-from afd_ray.ffn.eplb_records import EPLBStatus
+from afd_ray.eplb.records import EPLBStatus
 from afd_ray.observability.timeline import StepSplit
 from afd_ray.platform import Backend
 

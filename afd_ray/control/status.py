@@ -15,7 +15,7 @@ from afd_ray.control.placement import live_count, live_ranks, serving_ffn
 from afd_ray.control.recovery import Recovery
 from afd_ray.control.registry import Registry
 from afd_ray.control.resize import ATTENTION_DEPLOYMENT, FFN_DEPLOYMENT, FFN_STANDBY, Resizer
-from afd_ray.ffn.eplb_records import EPLBStatus
+from afd_ray.eplb.records import EPLBStatus
 from afd_ray.observability.publish import CoordinatorPublisher
 from afd_ray.observability.signals import SignalAggregator
 

@@ -31,7 +31,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from afd_ray.ffn.placement import expert_owner
+from afd_ray.eplb.contiguous import expert_owner
 from afd_ray.layers.moe import MoE
 from afd_ray.layers.routing import Routing
 

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
-from afd_ray.ffn.eplb import slots_of
-from afd_ray.ffn.eplb_policy import LayerPlacement
-from afd_ray.ffn.placement import owned_experts
+from afd_ray.eplb.slots import slots_of
+from afd_ray.eplb.policy import LayerPlacement
+from afd_ray.eplb.contiguous import owned_experts
 from afd_ray.layers.experts import ExpertSlots
 from afd_ray.layers.family import ffn_layout
 from afd_ray.layers.fp8 import check_fp8_device, quantize_experts
@@ -54,7 +54,7 @@ class FFNStack(nn.Module):
             experts' activation rounding (`GatedMLP.act_in_float32`), and an MoE
             layer's output as its parts or their sum (`MoEShape.split_output`).
         placements: EPLB: the expert placement of each MoE layer, in layer order
-            (`afd_ray.ffn.eplb_policy`); None: contiguous blocks.
+            (`afd_ray.eplb.policy`); None: contiguous blocks.
 
     Raises:
         ValueError: unsupported architecture or routing settings, a bad EP rank, or

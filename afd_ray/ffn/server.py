@@ -40,7 +40,7 @@ from afd_ray.connector.process_group import new_process_group
 from afd_ray.control.membership import EPAssignment, FFNMember, LayoutPlan, LoopState, MemberState
 from afd_ray.control.serve_api import app_deleting
 from afd_ray.ffn.ep import EPGroup
-from afd_ray.ffn.eplb import layer_placements
+from afd_ray.eplb.slots import layer_placements
 from afd_ray.ffn.layout import LayoutSwitch
 from afd_ray.ffn.model import FFNStack, load_ffn_stack
 from afd_ray.ffn.runtime import FFNRuntime

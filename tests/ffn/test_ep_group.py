@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from afd_ray.connector.process_group import new_process_group
 from afd_ray.ffn.ep import EPGroup
-from afd_ray.ffn.eplb_policy import LayerPlacement, place_layer
+from afd_ray.eplb.policy import LayerPlacement, place_layer
 from afd_ray.ffn.model import load_ffn_stack
 from afd_ray.layers.moe import MoE
 from afd_ray.models.tiny import build_tiny

@@ -15,7 +15,7 @@ from afd_ray.control.eplb import EPLBController
 from afd_ray.control.membership import FFNDirective
 from afd_ray.control.registry import Plan, Registry
 from afd_ray.control.resize import Resizer
-from afd_ray.ffn.eplb import layer_placements
+from afd_ray.eplb.slots import layer_placements
 
 SKEWED = [[[60, 50, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 30, 40]], [[40, 40, 0, 0, 0, 0, 0, 0], [0] * 6 + [20, 30]]]
 """Window loads `[L][E]` reported by FFN ranks 0 and 1: both route most rows to experts

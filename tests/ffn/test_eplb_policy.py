@@ -1,11 +1,11 @@
-"""The EPLB placement policy (`afd_ray.ffn.eplb_policy`): a pure function, tested without
+"""The EPLB placement policy (`afd_ray.eplb.policy`): a pure function, tested without
 Ray or torch on skewed and balanced loads."""
 
 from __future__ import annotations
 
 import pytest
 
-from afd_ray.ffn.eplb_policy import (
+from afd_ray.eplb.policy import (
     LayerPlacement,
     balancedness,
     contiguous_placement,

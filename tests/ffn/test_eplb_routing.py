@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from afd_ray.ffn.eplb import default_slots, layer_balancedness, redundant_for, slots_of
-from afd_ray.ffn.eplb_policy import LayerPlacement, contiguous_placement, place_layer
+from afd_ray.eplb.slots import default_slots, layer_balancedness, redundant_for, slots_of
+from afd_ray.eplb.policy import LayerPlacement, contiguous_placement, place_layer
 from afd_ray.ffn.model import load_ffn_stack
 from afd_ray.layers.experts import ExpertSlots
 from afd_ray.layers.moe import MoE

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoConfig
 
 from afd_ray.ffn.model import FFNStack, load_ffn_stack
-from afd_ray.ffn.placement import owned_experts
+from afd_ray.eplb.contiguous import owned_experts
 from afd_ray.layers.moe import MoE
 from afd_ray.weights import expert_of, ffn_layer_params
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from afd_ray.ffn.placement import expert_owner, owned_experts
+from afd_ray.eplb.contiguous import expert_owner, owned_experts
 
 
 @pytest.mark.parametrize(

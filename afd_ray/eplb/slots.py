@@ -1,6 +1,6 @@
 """EPLB placements as the FFN model holds them, and the load they balance (docs/eplb.md).
 
-Pure functions between the policy (`afd_ray.ffn.eplb_policy`: `LayerPlacement` per
+Pure functions between the policy (`afd_ray.eplb.policy`: `LayerPlacement` per
 MoE layer) and the model (`afd_ray.layers.experts.ExpertSlots` per rank and layer);
 no tensors, no process.
 """
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from afd_ray.ffn.eplb_policy import LayerPlacement, balancedness
-from afd_ray.ffn.placement import owned_experts
+from afd_ray.eplb.policy import LayerPlacement, balancedness
+from afd_ray.eplb.contiguous import owned_experts
 from afd_ray.layers.experts import ExpertSlots
 
 __all__ = ["default_slots", "layer_balancedness", "layer_placements", "rank_rows", "redundant_for", "slots_of"]

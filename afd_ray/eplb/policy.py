@@ -87,7 +87,7 @@ def balancedness(loads: Sequence[float]) -> float:
 
 def contiguous_placement(num_experts: int, ep_size: int) -> LayerPlacement:
     """The placement without EPLB: rank r holds the contiguous block of
-    `num_experts // ep_size` experts (`afd_ray.ffn.placement.owned_experts`).
+    `num_experts // ep_size` experts (`afd_ray.eplb.contiguous.owned_experts`).
 
     Raises:
         ValueError: the experts do not split evenly over the ranks.
