@@ -9,7 +9,8 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import httpx
@@ -346,3 +347,45 @@ def _scale_to_2a2f(chaos: httpx.Client) -> None:
     while not _whole(chaos):
         assert time.monotonic() < deadline, _status(chaos)
         time.sleep(0.5)
+
+
+def greedy_reference(checkpoint: str) -> list[list[int]]:
+    """Plain vLLM's greedy ids of each prompt (`MAX_TOKENS`, EOS ignored), in this
+    process: computed before an app starts (one engine at a time on 2 cores)."""
+    from vllm import SamplingParams
+
+    from plain_engine import plain_llm
+
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    with plain_llm(checkpoint, MAX_MODEL_LEN, 1 << 27) as llm:
+        return [list(out.outputs[0].token_ids) for out in llm.generate(PROMPTS, greedy, use_tqdm=False)]
+
+
+def app_args(checkpoint: str, attention_ranks: int, ffn: dict[str, object]) -> dict[str, object]:
+    """The chaos app's settings (tiny model, up to 2A:2F): `attention_ranks` to start,
+    `ffn` the FFN section's keys besides `max_ranks` and `bundle_resources`."""
+    return {
+        "model": {"source": checkpoint, "served_name": "tiny", "max_model_len": MAX_MODEL_LEN},
+        "attention": {
+            "num_ranks": attention_ranks,
+            "max_ranks": 2,
+            "kv_cache_gib": 0.125,
+            "max_num_seqs": 8,
+            "bundle_resources": 0.5,
+        },
+        "ffn": {"max_ranks": 2, "bundle_resources": 0.5, **ffn},
+        "connector": {"timeout_s": 60},
+    }
+
+
+@contextmanager
+def deployed(serve_url: str, args: dict[str, object]) -> Iterator[httpx.Client]:
+    """The app of `args` at `PREFIX` (externally scaled), deleted on exit; a client of it."""
+    from afd_ray.serve.app import build_app
+
+    serve.run(build_app(args), name=NAME, route_prefix=PREFIX, external_scaler_enabled=True)
+    try:
+        with httpx.Client(base_url=serve_url + PREFIX, timeout=120) as http:
+            yield http
+    finally:
+        serve.delete(NAME)

@@ -38,12 +38,9 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from ray import serve
-from vllm import SamplingParams
 
 from afd_ray.models.tiny import build_tiny
-from afd_ray.serve.app import build_app
-from plain_engine import plain_llm
+from chaos_faults import app_args, deployed, greedy_reference
 from chaos_faults import (
     ATTENTION_WHOLE_WITHIN_S,
     EP2_PAUSE_WITHIN_S,
@@ -51,13 +48,9 @@ from chaos_faults import (
     FFN_WHOLE_WITHIN_S,
     HEARTBEAT_S,
     KILLS,
-    MAX_MODEL_LEN,
-    MAX_TOKENS,
     MID_RECOVERY_PAUSE_WITHIN_S,
     MID_RECOVERY_WHOLE_WITHIN_S,
-    NAME,
     PAUSE_WITHIN_S,
-    PREFIX,
     PROMPTS,
     REJOIN_WITHIN_S,
     REPLACED_WITHIN_S,
@@ -91,33 +84,15 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
 def reference(checkpoint: str) -> list[list[int]]:
     """Plain vLLM's greedy ids of each prompt (`MAX_TOKENS`, EOS ignored), in this
     process, computed before the app starts."""
-    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    with plain_llm(checkpoint, MAX_MODEL_LEN, 1 << 27) as llm:
-        return [list(out.outputs[0].token_ids) for out in llm.generate(PROMPTS, greedy, use_tqdm=False)]
+    return greedy_reference(checkpoint)
 
 
 @pytest.fixture(scope="module")
 def chaos(serve_url: str, checkpoint: str, reference: list[list[int]]) -> Iterator[httpx.Client]:
     """The app (1A:1F to start, up to 2A:2F), deployed once plain vLLM's reference is
     computed (one engine at a time on the 2-core machine)."""
-    args = {
-        "model": {"source": checkpoint, "served_name": "tiny", "max_model_len": MAX_MODEL_LEN},
-        "attention": {
-            "num_ranks": 1,
-            "max_ranks": 2,
-            "kv_cache_gib": 0.125,
-            "max_num_seqs": 8,
-            "bundle_resources": 0.5,
-        },
-        "ffn": {"num_ranks": 1, "max_ranks": 2, "bundle_resources": 0.5, "heartbeat_timeout_s": HEARTBEAT_S},
-        "connector": {"timeout_s": 60},
-    }
-    serve.run(build_app(args), name=NAME, route_prefix=PREFIX, external_scaler_enabled=True)
-    try:
-        with httpx.Client(base_url=serve_url + PREFIX, timeout=120) as http:
-            yield http
-    finally:
-        serve.delete(NAME)
+    with deployed(serve_url, app_args(checkpoint, 1, {"num_ranks": 1, "heartbeat_timeout_s": HEARTBEAT_S})) as http:
+        yield http
 
 
 def test_ffn_sigkill_costs_no_hang_and_the_service_comes_back(chaos: httpx.Client, reference: list[list[int]]) -> None:

@@ -33,13 +33,10 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
-from ray import serve
-from vllm import SamplingParams
 
 from afd_ray.models.tiny import build_tiny
-from afd_ray.serve.app import build_app
-from chaos_faults import HEARTBEAT_S, MAX_MODEL_LEN, MAX_TOKENS, NAME, PREFIX, PROMPTS, _pids, _read_status, _whole
-from plain_engine import plain_llm
+from chaos_faults import app_args, deployed, greedy_reference
+from chaos_faults import HEARTBEAT_S, MAX_TOKENS, PREFIX, PROMPTS, _pids, _read_status, _whole
 
 SEED: int | None = None
 """The faults' seed; None draws one (printed). Set the printed one to replay a run."""
@@ -71,32 +68,14 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
 def reference(checkpoint: str) -> list[list[int]]:
     """Plain vLLM's greedy ids of each prompt (`MAX_TOKENS`, EOS ignored), in this
     process, computed before the app starts."""
-    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    with plain_llm(checkpoint, MAX_MODEL_LEN, 1 << 27) as llm:
-        return [list(out.outputs[0].token_ids) for out in llm.generate(PROMPTS, greedy, use_tqdm=False)]
+    return greedy_reference(checkpoint)
 
 
 @pytest.fixture(scope="module")
 def soak(serve_url: str, checkpoint: str, reference: list[list[int]]) -> Iterator[httpx.Client]:
     """The chaos app's settings (`test_chaos.py`, the same name), at 2A:2F from the start."""
-    args = {
-        "model": {"source": checkpoint, "served_name": "tiny", "max_model_len": MAX_MODEL_LEN},
-        "attention": {
-            "num_ranks": 2,
-            "max_ranks": 2,
-            "kv_cache_gib": 0.125,
-            "max_num_seqs": 8,
-            "bundle_resources": 0.5,
-        },
-        "ffn": {"num_ranks": 2, "max_ranks": 2, "bundle_resources": 0.5, "heartbeat_timeout_s": HEARTBEAT_S},
-        "connector": {"timeout_s": 60},
-    }
-    serve.run(build_app(args), name=NAME, route_prefix=PREFIX, external_scaler_enabled=True)
-    try:
-        with httpx.Client(base_url=serve_url + PREFIX, timeout=120) as http:
-            yield http
-    finally:
-        serve.delete(NAME)
+    with deployed(serve_url, app_args(checkpoint, 2, {"num_ranks": 2, "heartbeat_timeout_s": HEARTBEAT_S})) as http:
+        yield http
 
 
 @dataclass

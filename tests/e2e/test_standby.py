@@ -31,19 +31,13 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import ray
-from ray import serve
 from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
-from vllm import SamplingParams
 
 from afd_ray.models.tiny import build_tiny
-from afd_ray.serve.app import build_app
-from plain_engine import plain_llm
+from chaos_faults import app_args, deployed, greedy_reference
 from chaos_faults import (
     KILLS,
-    MAX_MODEL_LEN,
-    MAX_TOKENS,
     NAME,
-    PREFIX,
     PROMPTS,
     WHOLE_WITHIN_S,
     _pause_s,
@@ -89,32 +83,14 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
 def reference(checkpoint: str) -> list[list[int]]:
     """Plain vLLM's greedy ids of each prompt (`MAX_TOKENS`, EOS ignored), computed in
     this process before the app starts."""
-    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    with plain_llm(checkpoint, MAX_MODEL_LEN, 1 << 27) as llm:
-        return [list(out.outputs[0].token_ids) for out in llm.generate(PROMPTS, greedy, use_tqdm=False)]
+    return greedy_reference(checkpoint)
 
 
 @pytest.fixture(scope="module")
 def standby(serve_url: str, checkpoint: str, reference: list[list[int]]) -> Iterator[httpx.Client]:
     """The app: 1A:1F with one FFN standby rank to start, up to 2A:2F."""
-    args = {
-        "model": {"source": checkpoint, "served_name": "tiny", "max_model_len": MAX_MODEL_LEN},
-        "attention": {
-            "num_ranks": 1,
-            "max_ranks": 2,
-            "kv_cache_gib": 0.125,
-            "max_num_seqs": 8,
-            "bundle_resources": 0.5,
-        },
-        "ffn": {"num_ranks": 1, "max_ranks": 2, "standby_ranks": 1, "bundle_resources": 0.5},
-        "connector": {"timeout_s": 60},
-    }
-    serve.run(build_app(args), name=NAME, route_prefix=PREFIX, external_scaler_enabled=True)
-    try:
-        with httpx.Client(base_url=serve_url + PREFIX, timeout=120) as http:
-            yield http
-    finally:
-        serve.delete(NAME)
+    with deployed(serve_url, app_args(checkpoint, 1, {"num_ranks": 1, "standby_ranks": 1})) as http:
+        yield http
 
 
 def _ffn_pids() -> dict[str, int]:
