@@ -71,6 +71,7 @@ _FLAG_TYPES: dict[str, dict[str, object]] = {
     "gpu_fraction": {"type": float},
     "gpu_memory_utilization": {"type": float},
     "plain_gpu_memory_utilization": {"type": float},
+    "quantization": {"choices": ("fp8",)},
     "enforce_eager": {"action": argparse.BooleanOptionalAction},
     "kv_cache_gib": {"type": float},
     "stream_interval": {"type": int},
@@ -302,10 +303,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     from afd_ray.bench.runner import run_benchmark
     from afd_ray.bench.transport import format_table as format_transport_table
 
-    with serve_endpoint(cfg, ray_address, serve_url) as url:
-        result = run_benchmark(cfg, url, commit=commit)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(result.model_dump_json(indent=2) + "\n")
+
+    def write(result: BenchResult) -> None:
+        out.write_text(result.model_dump_json(indent=2) + "\n")
+
+    with serve_endpoint(cfg, ray_address, serve_url) as url:
+        result = run_benchmark(cfg, url, commit=commit, partial=write)
+    write(result)
     print(format_table(result))
     if result.same_batch:
         print(format_same_batch(result))

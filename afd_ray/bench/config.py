@@ -213,6 +213,12 @@ class BenchConfig(BaseModel):
     plain_gpu_memory_utilization: float = Field(0.8, gt=0, le=1)
     """CUDA only: the same for the plain engine, which holds the whole model."""
 
+    quantization: Literal["fp8"] | None = None
+    """`ModelConfig.quantization` of both sides: `fp8` runs plain vLLM with vLLM's
+    dynamic FP8 (`quantization="fp8"`) and AFD with the same on the attention engine
+    and FP8 routed experts on the FFN rank (CUDA with compute capability >= 8.9 only;
+    `AFDConfig` refuses it elsewhere)."""
+
     enforce_eager: bool = True
     """CUDA only: eager engines (no torch.compile / CUDA graphs on the attention side)."""
 
@@ -275,6 +281,14 @@ class BenchConfig(BaseModel):
         if transport != "auto" and "platform" in info.data:
             check_transport(transport, collective_backend(info.data["platform"]), field=None)
         return transport
+
+    @model_validator(mode="after")
+    def _fp8_on_cuda(self) -> BenchConfig:
+        if self.quantization is not None and self.platform != "cuda":
+            raise ValueError(
+                f"quantization: {self.quantization} needs platform cuda (vLLM's FP8 kernels), not {self.platform}"
+            )
+        return self
 
     @model_validator(mode="after")
     def _requests_fit_the_context(self) -> BenchConfig:

@@ -118,6 +118,7 @@ def _app_config(cfg: BenchConfig, family: str, checkpoint: Path, topology: Topol
             max_model_len=cfg.max_model_len,
             dtype=cfg.dtype,
             load_format="dummy" if family in SHAPES else "auto",
+            quantization=cfg.quantization,
         ),
         attention=AttentionPoolConfig(
             num_ranks=topology.attention,
@@ -340,11 +341,17 @@ def deployments(cfg: BenchConfig) -> list[tuple[Topology, list[int]]]:
 
 
 def run_benchmark(
-    cfg: BenchConfig, base_url: str, progress: Callable[[str], None] = print, commit: str | None = None
+    cfg: BenchConfig,
+    base_url: str,
+    progress: Callable[[str], None] = print,
+    commit: str | None = None,
+    partial: Callable[[BenchResult], None] | None = None,
 ) -> BenchResult:
     """Measure every (family, topology) of `cfg`, `cfg.repeats` times in
     counterbalanced order, on the Serve instance at `base_url`; `commit` is recorded
-    (`BenchResult.commit`).
+    (`BenchResult.commit`). `partial`, if given, gets the result so far after every
+    deployment, without `same_batch` (the CLI writes it, so a run cut by a time limit
+    keeps its finished deployments' runs).
 
     Needs a Ray connection (`ray.init`) to a cluster whose Serve HTTP proxy answers at
     `base_url`, with room for the largest topology's bundles
@@ -376,12 +383,24 @@ def run_benchmark(
                     )
                     runs.append(run)
                 bar.update(1)
+                if partial is not None:  # pairs may be incomplete yet: no same_batch
+                    partial(_result(cfg, commit, runs, transport, paired=False))
+    return _result(cfg, commit, runs, transport)
+
+
+def _result(
+    cfg: BenchConfig,
+    commit: str | None,
+    runs: list[RunResult],
+    transport: TransportResult | None,
+    paired: bool = True,
+) -> BenchResult:
     return BenchResult(
         created=datetime.now(UTC).isoformat(timespec="seconds"),
         commit=commit,
         machine=machine(),
         config=cfg,
-        runs=runs,
-        same_batch=compare(runs),
+        runs=list(runs),
+        same_batch=compare(runs) if paired else [],
         transport=transport,
     )

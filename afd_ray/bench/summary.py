@@ -36,7 +36,12 @@ Keys written (issue 32), shapes named as `afd_ray.models.shapes.SHAPES`:
 - `roundtrip_us_graph` (T -> µs); `moe_layer_over_floor`: shape -> T -> the fused MoE
   layer's time over its weight-read floor; `ffn_moe_over_vllm_moe` (shape -> T ->
   float), `plan_check` (layout -> `{predicted_tpot_ms, measured_tpot_ms, rel_err}`),
-  `plan_predictions` (layout -> `{gpus, tok_s_per_gpu, tpot_ms, plain_tok_s_per_gpu}`).
+  `plan_predictions` (layout -> `{gpus, tok_s_per_gpu, tpot_ms, plain_tok_s_per_gpu}`);
+- `fp8` (issue 35): the same keys of the runs with `model.quantization: fp8` on both
+  sides: `same_batch` and `step_split` of the benches whose config has `quantization:
+  fp8` (left out of the top-level `same_batch`), `moe_layer_over_floor` of
+  `--fp8-moe-layer`, and `equal_tokens_run` of the FP8 equality records (their modes
+  end in `-fp8`; they stay in the top-level `equal_tokens_run` too).
 
 A missing input leaves its keys out.
 """
@@ -62,6 +67,8 @@ BF16_MIN_EQUAL = 0.95
 PRODUCT_LAYOUT = "1A1F"
 """The AFD layout of `same_batch`: one attention rank and one FFN rank on one GPU."""
 _RECORD = "SERVE_ONE_GPU "
+_FP8_MODE = "-fp8"
+"""Suffix of an equality mode whose record ran `model.quantization: fp8` on both sides."""
 _DIGITS = 4
 _RATIOS = {
     "tok_s_ratio": "output_tok_s",
@@ -168,6 +175,7 @@ def equality(logs: Sequence[Path], commit: str) -> dict[str, dict[str, dict[str,
                 raise ValueError(f"--serve-logs: {log} has a record of commit {record['commit']}, not {commit}")
             mode = record.get("mode") or ("eager" if record["eager"] else "graphs")  # older records: no mode
             mode += "-2A1F-dbo" if record.get("dbo") else ""
+            mode += _FP8_MODE if record.get("quantization") == "fp8" else ""
             share = record["equal_positions"] / record["positions"]
             equal = record["all_equal"] if record["dtype"] == "float32" else share >= BF16_MIN_EQUAL
             entry = out.setdefault(record["family"], {}).setdefault(
@@ -209,6 +217,31 @@ def _copied(path: Path, key: str) -> object:
     return adapter.dump_python(adapter.validate_python(value), mode="json")
 
 
+def _same_batch(results: Sequence[BenchResult]) -> dict[str, dict[str, object]]:
+    """`same_batch` (module docstring) of `results`.
+
+    Raises:
+        ValueError: no plain and `PRODUCT_LAYOUT` pair of one batch and repeat.
+    """
+    same: dict[str, dict[str, object]] = {}
+    for c in compare(*(result.runs for result in results)):
+        if c.layout == PRODUCT_LAYOUT:
+            same.setdefault(c.family, {})[str(c.batch)] = same_batch_entry(c)
+    if not same:
+        raise ValueError(f"--bench: needs plain and {PRODUCT_LAYOUT} runs of the same batches and repeats")
+    return same
+
+
+def _over_floor(layer: dict[str, object]) -> dict[str, dict[str, float]]:
+    """`moe_layer_over_floor` of a `python -m afd_ray.bench.moe_layer` JSON: shape -> T ->
+    the fused layer's time over its weight-read floor."""
+    shapes = {key: value for key, value in layer.items() if isinstance(value, dict) and "tokens" in value}
+    return {
+        name.replace("_", "-"): {t: _round(r["fused_over_floor"]) for t, r in shape["tokens"].items()}
+        for name, shape in shapes.items()
+    }
+
+
 def summarize(
     commit: str,
     benches: Sequence[Path] = (),
@@ -217,6 +250,7 @@ def summarize(
     roundtrip: Path | None = None,
     moe_layer: Path | None = None,
     copied: dict[str, Path] | None = None,
+    fp8_moe_layer: Path | None = None,
 ) -> dict[str, object]:
     """The results object of one GPU run made from `commit` (module docstring);
     `copied` maps keys of `_COPIED` to their files. Empty inputs are skipped.
@@ -241,20 +275,19 @@ def summarize(
             "date": max(result.created for result in every),
             "graphs": all(not result.config.enforce_eager for result in every),
         }
-    if results:
-        same: dict[str, dict[str, object]] = {}
-        for c in compare(*(result.runs for result in results)):
-            if c.layout == PRODUCT_LAYOUT:
-                same.setdefault(c.family, {})[str(c.batch)] = same_batch_entry(c)
-        if not same:
-            raise ValueError(f"--bench: needs plain and {PRODUCT_LAYOUT} runs of the same batches and repeats")
-        split = step_split(results, PRODUCT_LAYOUT)
-        out["same_batch"] = same
+    fp8: dict[str, object] = {}
+    model_dtype = [result for result in results if result.config.quantization is None]
+    if model_dtype:
+        split = step_split(model_dtype, PRODUCT_LAYOUT)
+        out["same_batch"] = _same_batch(model_dtype)
         out |= {
             "step_split": split,
             "idle_fraction": {f: {b: s["idle_fraction"] for b, s in by.items()} for f, by in split.items()},
             "wire_us_per_layer": {f: {b: s["wire_us_per_layer"] for b, s in by.items()} for f, by in split.items()},
         }
+    quantized = [result for result in results if result.config.quantization == "fp8"]
+    if quantized:
+        fp8 |= {"same_batch": _same_batch(quantized), "step_split": step_split(quantized, PRODUCT_LAYOUT)}
     if fan_in_results:
         table: dict[str, dict[str, dict[str, object]]] = {}
         for c in compare(*(result.runs for result in fan_in_results)):
@@ -264,17 +297,22 @@ def summarize(
         out["fan_in"] = table
     if serve_logs:
         out["equal_tokens_run"] = equality(serve_logs, commit)
+        fp8_modes = {
+            family: {mode: entry for mode, entry in modes.items() if mode.endswith(_FP8_MODE)}
+            for family, modes in out["equal_tokens_run"].items()
+        }
+        if any(fp8_modes.values()):
+            fp8["equal_tokens_run"] = {family: modes for family, modes in fp8_modes.items() if modes}
     if roundtrip is not None:
         out["roundtrip_us_graph"] = json.loads(roundtrip.read_text())["roundtrip_us_graph"]
-    if moe_layer is not None:
-        layer = json.loads(moe_layer.read_text())
-        shapes = {key: value for key, value in layer.items() if isinstance(value, dict) and "tokens" in value}
-        out["moe_layer_over_floor"] = {
-            name.replace("_", "-"): {t: _round(r["fused_over_floor"]) for t, r in shape["tokens"].items()}
-            for name, shape in shapes.items()
-        }
-        out.setdefault("gpu", layer["gpu"])
-        out.setdefault("vllm_version", layer["vllm_version"])
+    for path, into in ((moe_layer, out), (fp8_moe_layer, fp8)):
+        if path is not None:
+            layer = json.loads(path.read_text())
+            into["moe_layer_over_floor"] = _over_floor(layer)
+            out.setdefault("gpu", layer["gpu"])
+            out.setdefault("vllm_version", layer["vllm_version"])
+    if fp8:
+        out["fp8"] = fp8
     for key, path in (copied or {}).items():
         out[key] = _copied(path, key)
     return out
@@ -290,6 +328,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--serve-logs", type=Path, nargs="*", default=[], help="tests/gpu/test_serve_one_gpu.py logs")
     parser.add_argument("--roundtrip", type=Path, help="python -m afd_ray.bench.cuda_ipc JSON")
     parser.add_argument("--moe-layer", type=Path, help="python -m afd_ray.bench.moe_layer JSON")
+    parser.add_argument("--fp8-moe-layer", type=Path, help="python -m afd_ray.bench.moe_layer --quantization fp8 JSON")
     for key in _COPIED:
         flag = {"ffn_moe_over_vllm_moe": "--ffn-vs-vllm"}.get(key, f"--{key.replace('_', '-')}")
         parser.add_argument(flag, dest=key, type=Path, help=f"JSON with `{key}` (copied in)")
@@ -301,7 +340,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     copied = {key: getattr(args, key) for key in _COPIED if getattr(args, key) is not None}
     try:
         summary = summarize(
-            commit, args.bench, args.fan_in, args.serve_logs, args.roundtrip, args.moe_layer, copied=copied
+            commit,
+            args.bench,
+            args.fan_in,
+            args.serve_logs,
+            args.roundtrip,
+            args.moe_layer,
+            copied=copied,
+            fp8_moe_layer=args.fp8_moe_layer,
         )
     except ValueError as e:
         parser.error(str(e))

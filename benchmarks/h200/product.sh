@@ -21,6 +21,11 @@
 #          the Qwen3 part's batches are 16/64/128 (BATCHES overrides both)
 #   qwen3  Qwen3-30B-A3B shape, the same with 1280-token prompts (its GQA KV cache,
 #          96 KiB/token, leaves no room for 256 x 4K beside its 58 GB of experts)
+#   dsv2-fp8  as dsv2 with `model.quantization: fp8` on both sides (vLLM's dynamic FP8;
+#          the FFN rank's routed experts in FP8), batch 64/256: the summary's `fp8` key
+#   KV_GIB, ATTENTION_MEMORY, PLAIN_MEMORY override a part's KV cache (GiB) and GPU memory
+#          fractions, set for a 141 GB H200; on an 80 GB H100 the DeepSeek-V2-Lite shape
+#          fits batch 16/64 with KV_GIB=12 ATTENTION_MEMORY=0.45 PLAIN_MEMORY=0.75
 #   fanin  DeepSeek-V2-Lite shape, as dsv2 but plain vs 2A:1F vs 2A:1F-dbo (two attention
 #          ranks and one FFN rank on one GPU, 1/3-GPU bundles; -dbo: the FFN rank serves
 #          the two attention ranks in two ubatches per layer, `ffn.ubatches` 2), batch
@@ -100,8 +105,12 @@ for part in $parts; do
         --confcutdir=tests/gpu -rs -q -s -p no:cacheprovider ${EQUAL_K:+-k "$EQUAL_K"} ;;
     equal) run equal "${EQUAL_S:-200}" python3 -m pytest tests/gpu/test_serve_one_gpu.py --confcutdir=tests/gpu -rs -q -s \
         -p no:cacheprovider -k "llama and graphs" ;;
-    dsv2) bench product-dsv2 "${DSV2_S:-570}" deepseek-v2-lite 4096 40 0.45 0.6 --concurrency ${BATCHES:-16 64 256} ;;
-    qwen3) bench product-qwen3 "${QWEN3_S:-570}" qwen3-30b-a3b 1280 38 0.35 0.8 --concurrency ${BATCHES:-16 64 128} ;;
+    dsv2) bench product-dsv2 "${DSV2_S:-570}" deepseek-v2-lite 4096 ${KV_GIB:-40} ${ATTENTION_MEMORY:-0.45} \
+        ${PLAIN_MEMORY:-0.6} --concurrency ${BATCHES:-16 64 256} ;;
+    dsv2-fp8) bench product-dsv2-fp8 "${DSV2_S:-570}" deepseek-v2-lite 4096 ${KV_GIB:-40} ${ATTENTION_MEMORY:-0.45} \
+        ${PLAIN_MEMORY:-0.6} --quantization fp8 --concurrency ${BATCHES:-64 256} ;;
+    qwen3) bench product-qwen3 "${QWEN3_S:-570}" qwen3-30b-a3b 1280 ${KV_GIB:-38} ${ATTENTION_MEMORY:-0.35} \
+        ${PLAIN_MEMORY:-0.8} --concurrency ${BATCHES:-16 64 128} ;;
     fanin) TOPOLOGIES=${TOPOLOGIES:-plain 2A1F 2A1F-dbo} bench product-fanin "${FANIN_S:-570}" deepseek-v2-lite 4096 \
         18 0.25 0.6 --gpu-fraction 0.33 --batch-window-us 3000 --concurrency ${FANIN_BATCHES:-64 128} ;;
     equal-full) run equal-full "${EQUAL_FULL_S:-480}" python3 -m pytest tests/gpu/test_serve_one_gpu.py --confcutdir=tests/gpu \
@@ -113,7 +122,7 @@ for part in $parts; do
 done
 # The results file, from this run's OUT only: equality records of its test logs, its
 # benches (every call's), and micro.sh's cuda_ipc.json / moe_layer.json when it ran into
-# the same OUT first.
+# the same OUT first (moe_fp8.json: `moe_layer --quantization fp8`, the `fp8` key).
 shopt -s nullglob
 summary=(--commit "$commit" --serve-logs "$out"/*.log)
 benches=("$out"/product-dsv2*.json "$out"/product-qwen3*.json)
@@ -122,6 +131,7 @@ fanins=("$out"/product-fanin*.json)
 [ ${#fanins[@]} -gt 0 ] && summary+=(--fan-in "${fanins[@]}")
 [ -f "$out/cuda_ipc.json" ] && summary+=(--roundtrip "$out/cuda_ipc.json")
 [ -f "$out/moe_layer.json" ] && summary+=(--moe-layer "$out/moe_layer.json")
+[ -f "$out/moe_fp8.json" ] && summary+=(--fp8-moe-layer "$out/moe_fp8.json")
 [ -n "${PLAN_CHECK:-}" ] && summary+=(--plan-check "$PLAN_CHECK")
 [ -n "${PLAN_PREDICTIONS:-}" ] && summary+=(--plan-predictions "$PLAN_PREDICTIONS")
 [ -n "${FFN_VS_VLLM:-}" ] && summary+=(--ffn-vs-vllm "$FFN_VS_VLLM")

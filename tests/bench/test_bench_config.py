@@ -256,3 +256,19 @@ def test_app_config_admits_the_largest_batch(topology: str, tmp_path: Path) -> N
     assert app.attention.max_num_seqs == 256
     capacity = app.attention.upper * (256 + app.ingress.max_queued_per_rank)
     assert app.ingress.max_ongoing_requests > capacity
+
+
+def test_fp8_runs_both_sides_quantized_on_cuda_only(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--quantization fp8` (issue 35's FP8 product benchmark) sets `model.quantization`
+    of the plain and the AFD app alike; on CPU it exits 2 before any deployment."""
+    from afd_ray.bench.runner import _app_config
+    from afd_ray.models.shapes import build_shape
+
+    cfg = BenchConfig(platform="cuda", quantization="fp8", topologies=("plain", "1A1F"), transport="cuda_ipc")
+    checkpoint = build_shape("deepseek-v2-lite", tmp_path / "shape")
+    for topology in cfg.topologies:
+        assert _app_config(cfg, "deepseek-v2-lite", checkpoint, topology).model.quantization == "fp8"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--quantization", "fp8"])
+    assert exit_info.value.code == 2
+    assert "quantization: fp8 needs platform cuda" in capsys.readouterr().err

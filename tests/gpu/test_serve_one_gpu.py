@@ -57,9 +57,11 @@ PLAIN_MODE = {"graphs": "PIECEWISE", "full": "FULL_AND_PIECEWISE", "eager": None
 BF16_MIN_EQUAL = 0.95
 
 
-def _plain(checkpoint: Path, dtype: str, mode: str | None) -> tuple[list[list[int]], list[list[float]]]:
+def _plain(
+    checkpoint: Path, dtype: str, mode: str | None, quantization: str | None = None
+) -> tuple[list[list[int]], list[list[float]]]:
     """Plain vLLM's greedy tokens and prompt logprobs, in-process, then the GPU freed;
-    `mode`: vLLM's `cudagraph_mode` (None: eager)."""
+    `mode`: vLLM's `cudagraph_mode` (None: eager); `quantization`: vLLM's (`fp8`: dynamic FP8)."""
     from vllm import LLM, SamplingParams
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -73,6 +75,7 @@ def _plain(checkpoint: Path, dtype: str, mode: str | None) -> tuple[list[list[in
             max_num_seqs=8,
             kv_cache_memory_bytes=1 << 28,
             gpu_memory_utilization=0.3,
+            quantization=quantization,
             **graphs,
         )
         tokens, logprobs = [], []
@@ -112,20 +115,43 @@ def serve_url() -> str:
     ("family", "mode", "dbo"), CASES, ids=[f"{f}-{m}{'-2A1F-dbo' if d else ''}" for f, m, d in CASES]
 )
 def test_afd_on_one_gpu_equals_plain_vllm(serve_url: str, family: str, mode: str, dbo: bool, tmp_path: Path) -> None:
+    _served_equals_plain(serve_url, family, FAMILIES[family], mode, dbo, tmp_path)
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
+    reason="FP8 kernels need compute capability >= 8.9",
+)
+def test_fp8_afd_on_one_gpu_equals_plain_vllm_fp8(serve_url: str, tmp_path: Path) -> None:
+    """Issue 35: tiny Qwen3-MoE in bfloat16 with `model.quantization: fp8` (the
+    attention engine's linears in vLLM's dynamic FP8, the FFN rank's routed experts in
+    FP8 through vLLM's fused-MoE kernels), piecewise graphs, against plain vLLM with
+    `quantization="fp8"` in PIECEWISE: greedy tokens equal for >= 95% of positions."""
+    _served_equals_plain(serve_url, "qwen3_moe", "bfloat16", "graphs", False, tmp_path, quantization="fp8")
+
+
+def _served_equals_plain(
+    serve_url: str, family: str, dtype: str, mode: str, dbo: bool, tmp_path: Path, quantization: str | None = None
+) -> None:
     import httpx
     from ray import serve
 
     from afd_ray.models.tiny import build_tiny
     from afd_ray.serve.app import build_app
 
-    dtype = FAMILIES[family]
     checkpoint = Path(build_tiny(family, tmp_path / family, cuda_mla_heads=family.startswith("deepseek")))
     eager = mode == "eager"
-    expected, expected_logprobs = _plain(checkpoint, dtype, PLAIN_MODE[mode])
-    full = _plain(checkpoint, dtype, "FULL_AND_PIECEWISE")[0] if mode == "graphs" else None
+    expected, expected_logprobs = _plain(checkpoint, dtype, PLAIN_MODE[mode], quantization)
+    full = _plain(checkpoint, dtype, "FULL_AND_PIECEWISE", quantization)[0] if mode == "graphs" else None
     args = {
         "platform": "cuda",
-        "model": {"source": str(checkpoint), "served_name": "tiny", "dtype": dtype, "max_model_len": 512},
+        "model": {
+            "source": str(checkpoint),
+            "served_name": "tiny",
+            "dtype": dtype,
+            "max_model_len": 512,
+            "quantization": quantization,
+        },
         "attention": {
             "num_ranks": 2 if dbo else 1,
             "kv_cache_gib": 0.25,
@@ -138,7 +164,7 @@ def test_afd_on_one_gpu_equals_plain_vllm(serve_url: str, family: str, mode: str
         "ffn": {"bundle_resources": 0.33 if dbo else 0.5, "ubatches": 2 if dbo else 1},
         "connector": {"transport": "cuda_ipc", "batch_window_us": 3000},
     }
-    name = f"gpu-{family}-{mode}{'-dbo' if dbo else ''}"
+    name = f"gpu-{family}-{mode}{'-dbo' if dbo else ''}{'-fp8' if quantization else ''}"
     start = time.perf_counter()
     try:
         serve.run(build_app(args), name=name, route_prefix=f"/{name}")
@@ -185,6 +211,7 @@ def test_afd_on_one_gpu_equals_plain_vllm(serve_url: str, family: str, mode: str
         "graph_replays": replays,
         "dbo": dbo,
         "dtype": dtype,
+        "quantization": quantization,
         "equal_positions": equal,
         "positions": positions,
         "all_equal": got == expected,
