@@ -225,7 +225,7 @@ def test_fp8_runs_go_under_their_own_key(tmp_path: Path) -> None:
         result.model_copy(update={"config": result.config.model_copy(update={"quantization": "fp8"})}).model_dump_json()
     )
     record = {"family": "qwen3_moe", "mode": "graphs", "dtype": "bfloat16", "quantization": "fp8", "eager": False}
-    record |= {"equal_positions": 92, "positions": 96, "all_equal": False, "prompt_logprob_max_abs_diff": 0.1}
+    record |= {"equal_positions": 91, "positions": 96, "all_equal": False, "prompt_logprob_max_abs_diff": 0.1}
     log = tmp_path / "fp8.log"
     log.write_text("SERVE_ONE_GPU " + json.dumps(record) + "\n")
     moe_fp8 = RESULTS / "h100-2026-12-07" / "moe_fp8.json"
@@ -234,7 +234,7 @@ def test_fp8_runs_go_under_their_own_key(tmp_path: Path) -> None:
     assert got["fp8"]["same_batch"]["deepseek-v2-lite"]["64"]["tok_s_ratio"] == round(
         200 / 210, 4
     )  # pairs 100/90, 200/210, 120/130
-    assert got["fp8"]["equal_tokens_run"]["qwen3_moe"]["graphs-fp8"]["equal"] is False  # 92/96 < 0.95
+    assert got["fp8"]["equal_tokens_run"]["qwen3_moe"]["graphs-fp8"]["equal"] is False  # 91/96 < 0.95
     assert got["equal_tokens_run"]["qwen3_moe"]["graphs-fp8"]["positions"] == 96
     assert got["fp8"]["moe_layer_over_floor"]["deepseek-v2-lite"]["256"] == pytest.approx(1.53, abs=0.01)
     assert "moe_layer_over_floor" not in got
