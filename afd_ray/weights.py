@@ -20,14 +20,23 @@ modules hold fused `[E, 2I, H]` tensors), so an EP rank reads only the experts i
 from __future__ import annotations
 
 import re
-from collections.abc import Container, Iterator
+from collections.abc import Container, Iterable, Iterator
 from enum import Enum
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-__all__ = ["Role", "expert_of", "ffn_block_name", "ffn_block_prefix", "ffn_layer_params", "resident_bytes", "role_of"]
+__all__ = [
+    "Role",
+    "dequantized_linears",
+    "expert_of",
+    "ffn_block_name",
+    "ffn_block_prefix",
+    "ffn_layer_params",
+    "resident_bytes",
+    "role_of",
+]
 
 _FFN = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.(.+)$")
 """A decoder layer's FFN block: `mlp.` (Llama, Qwen3-MoE, DeepSeek) or
@@ -131,6 +140,40 @@ def ffn_layer_params(
                     experts is None or expert is None or expert in experts
                 ):
                     yield layer, inner, f.get_tensor(name)
+
+
+def dequantized_linears(
+    params: Iterable[tuple[int, str, torch.Tensor]], block_shape: tuple[int, int] | None, scale_name: str
+) -> Iterator[tuple[int, str, torch.Tensor]]:
+    """`params` (`ffn_layer_params` of an FP8 checkpoint) with the FP8 linears of the
+    shared experts and dense MLPs dequantized: each float8 `....weight` and its
+    `....{scale_name}` (`weight_scale_inv` per block of `block_shape`, `weight_scale`
+    per tensor; `afd_ray.config.model.Fp8Checkpoint`) become one float32 `....weight`
+    (`afd_ray.layers.fp8.dequantize_fp8`), yielded once both were read. Routed
+    experts' tensors (loaded in FP8 as they are) and tensors without a scale (the
+    router gate, layers the checkpoint left unquantized) pass unchanged.
+
+    Raises:
+        ValueError: an FP8 weight without its scale, or a scale without its weight.
+    """
+    from afd_ray.layers.fp8 import FP8_DTYPE, dequantize_fp8
+
+    suffix = f".{scale_name}"
+    pending: dict[tuple[int, str], tuple[str, torch.Tensor]] = {}  # by weight name: the first of the pair read
+    for layer, name, tensor in params:
+        if _EXPERT.match(name) or not (name.endswith(suffix) or tensor.dtype == FP8_DTYPE):
+            yield layer, name, tensor
+            continue
+        weight_name = name.removesuffix(suffix) + ".weight" if name.endswith(suffix) else name
+        first = pending.pop((layer, weight_name), None)
+        if first is None:
+            pending[(layer, weight_name)] = (name, tensor)
+            continue
+        weight, scale = (first[1], tensor) if name.endswith(suffix) else (tensor, first[1])
+        yield layer, weight_name, dequantize_fp8(weight, scale, block_shape)
+    if pending:
+        names = sorted(f"layers.{layer}.mlp.{name}" for (layer, _), (name, _) in pending.items())
+        raise ValueError(f"FP8 checkpoint: weights without their {scale_name}, or the reverse: {names}")
 
 
 def resident_bytes(model: torch.nn.Module) -> dict[str, int]:

@@ -11,7 +11,7 @@ import yaml
 
 from afd_ray.cli import main
 from afd_ray.config import AFDConfig
-from afd_ray.serve.check import ClusterResources, cluster_errors, fp8_device_errors
+from afd_ray.serve.check import ClusterResources, args_errors, cluster_errors, fp8_device_errors
 
 ROOT = Path(__file__).parents[1]
 SHIPPED = sorted((ROOT / "deployments").glob("*.yaml"))
@@ -194,22 +194,118 @@ def test_policy_errors_are_printed_one_per_line(tmp_path: Path, capsys: pytest.C
     assert lines[-1] == f"afd-ray: error: {app}: 2 errors"
 
 
-def test_a_quantized_checkpoint_is_refused_naming_its_quantization_config(
+def _checkpoint_folder(tmp_path: Path, quantized: dict[str, object]) -> Path:
+    """A folder with a Qwen3-MoE config.json carrying `quantized` as its `quantization_config`."""
+    folder = tmp_path / f"{quantized['quant_method']}-checkpoint"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "quantization_config": quantized}))
+    return folder
+
+
+def test_an_fp8_checkpoint_passes_on_cuda_and_is_refused_on_cpu(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The FFN role loads model-dtype experts only (FP8 ones it makes itself)."""
-    folder = tmp_path / "fp8-checkpoint"
-    folder.mkdir()
+    """FP8 checkpoints are served (both roles read their scales); they need FP8 kernels."""
     quantized = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "quantization_config": quantized}))
+    folder = _checkpoint_folder(tmp_path, quantized)
+    path = _app_file(tmp_path, model={"source": str(folder)})
+    status, _, err = _check(capsys, str(path), "--offline")
+    assert status == 1
+    assert f"{path}: {APP}.model.source: '{folder}' is an FP8 checkpoint and needs FP8 kernels" in err, err
+    data = yaml.safe_load(path.read_text())
+    data["applications"][0]["args"]["platform"] = "cuda"
+    path.write_text(yaml.safe_dump(data))
+    assert _check(capsys, str(path), "--offline")[0] == 0
+    cfg = AFDConfig.model_validate(data["applications"][0]["args"])
+    resources = {"CPU": 64.0, "GPU": 8.0, "accelerator_type:A100": 1.0}
+    (error,) = fp8_device_errors(cfg, ClusterResources(total=resources, largest_node=resources), prefix="")
+    assert str(error).startswith("model.source: an FP8 checkpoint needs GPUs of compute capability >= 8.9")
+
+
+def test_another_quantized_checkpoint_is_refused_naming_the_source(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = _checkpoint_folder(tmp_path, {"quant_method": "awq", "bits": 4})
     path = _app_file(tmp_path, model={"source": str(folder)})
     status, _, err = _check(capsys, str(path), "--offline")
     assert status == 1
     assert (
         f"{path}: {APP}.model.source: '{folder}' is a quantized checkpoint (config.json quantization_config, "
-        "quant_method 'fp8')" in err
+        "quant_method 'awq'); afd_ray serves FP8 checkpoints (quant_method 'fp8') only" in err
     ), err
-    assert "serve the bf16/fp16 checkpoint with model.quantization: fp8" in err
+
+
+def test_cross_field_errors_come_with_the_field_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before, pydantic's cross-field checks ran only once every field validated, so a
+    file needed one `check` per kind of error. A cross-field error about a key that
+    failed (the attention pool's bounds, from num_ranks 0) is not reported."""
+    path = _app_file(
+        tmp_path,
+        attention={"num_ranks": 0},
+        ffn={"ubatches": 64, "eplb": {"enabled": True}},
+        ingress={"max_ongoing_requests": 1},
+    )
+    status, _, err = _check(capsys, str(path), "--offline")
+    assert status == 1
+    lines = err.splitlines()
+    assert lines[:-1] == [
+        f"{path}: {APP}.attention.num_ranks: Input should be greater than or equal to 1",
+        f"{path}: {APP}.ffn.ubatches: Input should be less than or equal to 8",
+        f"{path}: {APP}.ingress.max_ongoing_requests: 1 must exceed the admission capacity 64 (attention.max_ranks "
+        "x (attention.max_num_seqs + ingress.max_queued_per_rank))",
+        f"{path}: {APP}.ffn.eplb.enabled: true balances the experts of MoE layers; model.source 'smollm2' is dense "
+        "(no MoE layer): leave ffn.eplb off",
+    ], err
+    assert lines[-1] == f"afd-ray: error: {path}: 4 errors"
+
+
+def test_skipped_cross_field_checks_are_said() -> None:
+    """A cross-section error on a key the file leaves at its default cannot be dropped,
+    so the checks after it do not run: the output says so."""
+    cfg, errors = args_errors({"attention": {"max_num_seqs": 1000}}, "args")
+    assert cfg is None
+    assert [e.path for e in errors] == ["args.ingress.max_ongoing_requests", "args"]
+    assert errors[1].message.startswith("cross-field checks were skipped because of the errors above")
+
+
+@pytest.mark.parametrize(
+    ("eplb", "source", "error"),
+    [
+        ({"num_redundant_experts": 2}, "smollm2", "ffn.eplb.num_redundant_experts: 2 balances the experts"),
+        ({"enabled": True}, "smollm2-moe", None),
+    ],
+    ids=["dense", "moe"],
+)
+def test_eplb_needs_an_moe_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], eplb: dict[str, object], source: str, error: str | None
+) -> None:
+    path = _app_file(tmp_path, model={"source": source}, ffn={"min_ranks": 2, "num_ranks": 2, "eplb": eplb})
+    status, _, err = _check(capsys, str(path), "--offline")
+    assert status == (1 if error else 0), err
+    assert error is None or f"{path}: {APP}.{error}" in err
+
+
+def test_unknown_keys_of_the_serve_file_name_the_nearest(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Ray Serve's schema lets unknown keys pass (`aplications:` was read as a policy
+    file, an application's `rute_prefix` was ignored)."""
+    text = (ROOT / "deployments" / "afd.yaml").read_text()
+    misspelt = tmp_path / "misspelt.yaml"
+    misspelt.write_text(text.replace("applications:", "aplications:"))
+    status, _, err = _check(capsys, str(misspelt), "--offline")
+    assert status == 1
+    assert f"{misspelt}: aplications: unknown key; did you mean 'applications'?" in err.splitlines(), err
+    data = yaml.safe_load(text)
+    data["applications"][0]["rute_prefix"] = "/v1"
+    data["http_optons"] = {"port": 8000}
+    extra = tmp_path / "extra.yaml"
+    extra.write_text(yaml.safe_dump(data))
+    status, _, err = _check(capsys, str(extra), "--offline")
+    assert status == 1
+    assert err.splitlines() == [
+        f"{extra}: http_optons: unknown key; did you mean 'http_options'?",
+        f"{extra}: applications[0].rute_prefix: unknown key; did you mean 'route_prefix'?",
+        f"afd-ray: error: {extra}: 2 errors",
+    ]
 
 
 def test_a_value_out_of_vllms_config_bounds_is_caught(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

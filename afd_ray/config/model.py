@@ -4,15 +4,67 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
-from pydantic import Field, model_validator
+from pydantic import Field, PrivateAttr, model_validator
 
 from afd_ray.config.base import DType, Section
 
-__all__ = ["EMBEDDED_MODELS", "ModelConfig"]
+__all__ = ["EMBEDDED_MODELS", "Fp8Checkpoint", "ModelConfig", "fp8_checkpoint"]
 
 EMBEDDED_MODELS = ("smollm2", "smollm2-moe")
+
+
+class Fp8Checkpoint(NamedTuple):
+    """How an FP8 checkpoint's linear weights are scaled (its config.json
+    `quantization_config`, read as vLLM 0.26's `Fp8Config.from_config` reads it).
+
+    Each FP8 weight `W [N, K]` (float8_e4m3fn) comes with a float32 scale, and
+    `W.float() * scale` is the weight it stands for:
+    - `block_shape` `(bn, bk)` (`weight_block_size`, DeepSeek-V3 and Qwen3-FP8 ship
+      `[128, 128]`): `weight_scale_inv` `[ceil(N / bn), ceil(K / bk)]`, one per block;
+    - `block_shape` None: `weight_scale`, one scalar per tensor.
+    Activations are quantized dynamically (`activation_scheme: dynamic`).
+    """
+
+    block_shape: tuple[int, int] | None
+
+    @property
+    def scale_name(self) -> str:
+        """The checkpoint suffix of a weight's scale: `weight_scale_inv` (block) or `weight_scale`."""
+        return "weight_scale_inv" if self.block_shape else "weight_scale"
+
+
+def fp8_checkpoint(quantization_config: object, source: str) -> Fp8Checkpoint | None:
+    """The FP8 scheme of a checkpoint's `quantization_config` (None: none given).
+
+    Raises:
+        ValueError: naming `model.source`: a quant method other than `fp8`, static
+            activation scales, or a `weight_block_size` that is not two positive ints.
+    """
+    if quantization_config is None:
+        return None
+    method = quantization_config.get("quant_method") if isinstance(quantization_config, dict) else None
+    if method != "fp8":
+        raise ValueError(
+            f"model.source: {source!r} is a quantized checkpoint (config.json quantization_config, quant_method "
+            f"{method!r}); afd_ray serves FP8 checkpoints (quant_method 'fp8') only: serve its bf16/fp16 "
+            "checkpoint, optionally with model.quantization: fp8"
+        )
+    scheme = quantization_config.get("activation_scheme", "dynamic")
+    if scheme != "dynamic":
+        raise ValueError(
+            f"model.source: {source!r} is an FP8 checkpoint with activation_scheme {scheme!r}; afd_ray's FFN role "
+            "runs dynamic activation scales only (activation_scheme 'dynamic')"
+        )
+    block = quantization_config.get("weight_block_size")
+    if block is None:
+        return Fp8Checkpoint(None)
+    if not (isinstance(block, list) and len(block) == 2 and all(type(b) is int and b > 0 for b in block)):
+        raise ValueError(
+            f"model.source: {source!r}: quantization_config.weight_block_size {block!r} is not two positive ints"
+        )
+    return Fp8Checkpoint((block[0], block[1]))
 
 
 class ModelConfig(Section):
@@ -44,8 +96,13 @@ class ModelConfig(Section):
     from a bf16/fp16 checkpoint: the attention engine takes vLLM's `quantization="fp8"`,
     and the FFN role quantizes its routed experts to FP8 at load and runs vLLM's FP8
     fused MoE kernels (`afd_ray.layers.fp8`); the gate, shared experts, dense MLPs and
-    the A2F/F2A wire stay in `dtype`. Not yet run on a GPU. None: `dtype`. A
-    checkpoint with a `quantization_config` (FP8 or other) is refused (`source`)."""
+    the A2F/F2A wire stay in `dtype`. None: `dtype`, or the checkpoint's own FP8
+    (`fp8_checkpoint`): an FP8 checkpoint (config.json `quantization_config` with
+    `quant_method: fp8`, dynamic activations, block or per-tensor scales) is served as
+    it is, on the same platforms, with this field unset; any other `quant_method` is
+    refused (`source`)."""
+
+    _fp8_checkpoint: Fp8Checkpoint | None = PrivateAttr(None)
 
     @model_validator(mode="after")
     def _source_exists(self) -> ModelConfig:
@@ -60,14 +117,28 @@ class ModelConfig(Section):
                 quantized = json.loads(config.read_text()).get("quantization_config")
             except (json.JSONDecodeError, AttributeError) as e:
                 raise ValueError(f"model.source: {config} is not a JSON mapping: {e}") from e
-            if quantized is not None:
-                method = quantized.get("quant_method") if isinstance(quantized, dict) else quantized
-                raise ValueError(
-                    f"model.source: {self.source!r} is a quantized checkpoint (config.json quantization_config, "
-                    f"quant_method {method!r}); afd_ray's FFN role loads model-dtype experts only: serve the "
-                    "bf16/fp16 checkpoint with model.quantization: fp8"
-                )
+            self._fp8_checkpoint = fp8_checkpoint(quantized, self.source)
+        if self._fp8_checkpoint is not None and self.quantization is not None:
+            raise ValueError(
+                f"model.quantization: {self.quantization} with {self.source!r}, already an FP8 checkpoint "
+                "(config.json quantization_config): leave model.quantization unset, the checkpoint's scales are used"
+            )
+        if self._fp8_checkpoint is not None and self.load_format == "dummy":
+            raise ValueError(
+                f"model.load_format: dummy with {self.source!r}, an FP8 checkpoint: dummy weights are drawn in "
+                "`dtype`; drop quantization_config from a copy of its config.json and set model.quantization: fp8"
+            )
         return self
+
+    @property
+    def checkpoint_fp8(self) -> Fp8Checkpoint | None:
+        """The FP8 scheme of the checkpoint (`fp8_checkpoint`); None for a model-dtype one."""
+        return self._fp8_checkpoint
+
+    @property
+    def fp8(self) -> bool:
+        """Either side runs FP8 weights: `quantization: fp8`, or an FP8 checkpoint."""
+        return self.quantization is not None or self._fp8_checkpoint is not None
 
     @property
     def name(self) -> str:

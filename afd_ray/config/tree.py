@@ -16,7 +16,8 @@ from afd_ray.platform import Platform, collective_backend
 __all__ = ["FP8_PLATFORMS", "AFDConfig"]
 
 FP8_PLATFORMS = ("cuda",)
-"""Platforms with vLLM FP8 kernels for both roles (`model.quantization: fp8`); the GPU
+"""Platforms with vLLM FP8 kernels for both roles (`model.quantization: fp8`, or an FP8
+checkpoint: `ModelConfig.checkpoint_fp8`); the GPU
 must also have compute capability >= 8.9 (`afd_ray.serve.check.FP8_CAPABILITY`)."""
 
 
@@ -69,11 +70,28 @@ class AFDConfig(Section):
                 f"ingress.max_ongoing_requests: {self.ingress.max_ongoing_requests} must exceed the admission "
                 f"capacity {capacity} (attention.max_ranks x (attention.max_num_seqs + ingress.max_queued_per_rank))"
             )
-        if self.model.quantization is not None and self.platform not in FP8_PLATFORMS:
+        if self.model.fp8 and self.platform not in FP8_PLATFORMS:
+            what = (
+                f"model.quantization: {self.model.quantization}"
+                if self.model.quantization is not None
+                else f"model.source: {self.model.source!r} is an FP8 checkpoint and"
+            )
             raise ValueError(
-                f"model.quantization: {self.model.quantization} needs FP8 kernels, which afd_ray runs on "
+                f"{what} needs FP8 kernels, which afd_ray runs on "
                 f"platform {' or '.join(FP8_PLATFORMS)} (compute capability >= 8.9) only, not {self.platform}"
             )
         if self.autoscale.enabled and self.autoscale.policy is None:
             raise ValueError("autoscale.policy: a policy file is needed when autoscale.enabled is true")
+        return self
+
+    @model_validator(mode="after")
+    def _fp8_checkpoint_gate(self) -> AFDConfig:
+        """With `gate_on_attention` the attention role runs the dense MLPs as afd_ray's
+        model-dtype `GatedMLP` (`afd_ray.attention.models.base`), which do not read an FP8
+        checkpoint's FP8 linears and scales."""
+        if self.gate_placement == "gate_on_attention" and self.model.checkpoint_fp8 is not None:
+            raise ValueError(
+                f"gate_placement: gate_on_attention with {self.model.source!r}, an FP8 checkpoint: the attention "
+                "role's dense MLPs load model-dtype weights only; use gate_on_ffn"
+            )
         return self

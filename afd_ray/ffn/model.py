@@ -15,15 +15,16 @@ import torch
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
+from afd_ray.config.model import Fp8Checkpoint, fp8_checkpoint
 from afd_ray.eplb.slots import slots_of
 from afd_ray.eplb.policy import LayerPlacement
 from afd_ray.eplb.contiguous import owned_experts
 from afd_ray.layers.experts import ExpertSlots
 from afd_ray.layers.family import ffn_layout
-from afd_ray.layers.fp8 import check_fp8_device, quantize_experts
+from afd_ray.layers.fp8 import FP8_DTYPE, Fp8Experts, check_fp8_device, quantize_experts
 from afd_ray.layers.mlp import GatedMLP
 from afd_ray.layers.moe import MoE
-from afd_ray.weights import expert_of, ffn_layer_params
+from afd_ray.weights import dequantized_linears, expert_of, ffn_layer_params
 
 __all__ = ["FFNStack", "dummy_fill", "load_ffn_stack"]
 
@@ -55,11 +56,15 @@ class FFNStack(nn.Module):
             layer's output as its parts or their sum (`MoEShape.split_output`).
         placements: EPLB: the expert placement of each MoE layer, in layer order
             (`afd_ray.eplb.policy`); None: contiguous blocks.
+        checkpoint_fp8: the routed experts are `Fp8Experts.empty` laid out for this
+            FP8 checkpoint's weights and scales (`ModelConfig.checkpoint_fp8`); None:
+            `Experts` in `dtype`.
 
     Raises:
         ValueError: unsupported architecture or routing settings, a bad EP rank, or
             `gate_on_attention` for a model without MoE layers, or `placements` that
-            do not fit the model's MoE layers, experts or `ep_size`.
+            do not fit the model's MoE layers, experts or `ep_size`, or an FP8 block
+            size that does not fit the experts (`Fp8Experts.empty`).
     """
 
     def __init__(
@@ -71,6 +76,7 @@ class FFNStack(nn.Module):
         gate_on_attention: bool = False,
         attention_compiled: bool = False,
         placements: Sequence[LayerPlacement] | None = None,
+        checkpoint_fp8: Fp8Checkpoint | None = None,
     ) -> None:
         super().__init__()
         layout = ffn_layout(config)
@@ -95,14 +101,18 @@ class FFNStack(nn.Module):
         for i in self.layer_ids:
             if i in layout.moe_layers:
                 moe = (layout.moe, slots[i], layout.hidden_size, layout.hidden_act, layout.mlp_bias, dtype)
-                layers.append(
-                    MoE(
-                        *moe,
-                        with_gate=not gate_on_attention,
-                        act_in_float32=attention_compiled,
-                        split_output=layout.moe.split_output(attention_compiled),
-                    )
+                block = MoE(
+                    *moe,
+                    with_gate=not gate_on_attention,
+                    act_in_float32=attention_compiled,
+                    split_output=layout.moe.split_output(attention_compiled),
                 )
+                if checkpoint_fp8 is not None:
+                    inter = layout.moe.intermediate_size
+                    block.experts = Fp8Experts.empty(
+                        slots[i], layout.hidden_size, inter, layout.hidden_act, dtype, checkpoint_fp8
+                    )
+                layers.append(block)
             else:
                 layers.append(GatedMLP(*dense))
         self.layers = nn.ModuleList(layers)
@@ -250,14 +260,27 @@ def load_ffn_stack(
     FP8 once loaded (`afd_ray.layers.fp8.quantize_experts`, vLLM's dynamic FP8 MoE);
     the rest stays in `dtype`.
 
+    An FP8 checkpoint (config.json `quantization_config`, `ModelConfig.checkpoint_fp8`):
+    the routed experts this rank holds are read in FP8 with their scales, block or
+    per tensor (`Fp8Experts.empty`, `Fp8Experts.finish_loading`); the shared experts'
+    and dense MLPs' FP8 linears are dequantized to `dtype` (`dequantized_linears`).
+    This loads on any device; the experts run on CUDA only. `loaded_bytes` counts the
+    FP8 bytes and scales of the experts, the dense tensors in `dtype`.
+
     Raises:
         ValueError: unsupported architecture, bad EP rank, or a missing/unexpected
-            FFN tensor; `fp8` on a device without FP8 kernels (`check_fp8_device`).
+            FFN tensor (an expert weight not in FP8 included); `fp8` on a device
+            without FP8 kernels (`check_fp8_device`); a `quantization_config` that is
+            not FP8 (`fp8_checkpoint`), or `fp8` or `random_weights` with an FP8
+            checkpoint.
         ImportError: `random_weights` or `fp8` without vLLM installed.
     """
     config = AutoConfig.from_pretrained(checkpoint)
+    scheme = fp8_checkpoint(getattr(config, "quantization_config", None), str(checkpoint))
+    if scheme is not None and (quantization is not None or random_weights):
+        raise ValueError(f"{checkpoint} is an FP8 checkpoint: neither quantization nor random weights apply")
     with torch.device("meta"):
-        stack = FFNStack(config, dtype, ep_rank, ep_size, gate_on_attention, attention_compiled, placements)
+        stack = FFNStack(config, dtype, ep_rank, ep_size, gate_on_attention, attention_compiled, placements, scheme)
     stack.to_empty(device=device)
     if quantization is not None:
         check_fp8_device(device)
@@ -278,6 +301,8 @@ def load_ffn_stack(
             if not targets
             else ffn_layer_params(checkpoint, config.num_hidden_layers, wanted, gate_on_attention, stack.moe_layers)
         )
+        if scheme is not None:
+            params = dequantized_linears(params, scheme.block_shape, scheme.scale_name)
         held_by_layer = stack.held_experts()
         for layer, name, tensor in params:
             expert = expert_of(f"model.layers.{layer}.mlp.{name}")
@@ -285,10 +310,15 @@ def load_ffn_stack(
             if (layer, name) not in targets and (reuse is not None or elsewhere):
                 continue  # copied from `reuse`, or an expert this layer does not hold (EPLB)
             target = targets.pop((layer, name), None)
-            if target is None or target.shape != tensor.shape:
-                unexpected.append(f"layers.{layer}.mlp.{name} {list(tensor.shape)}")
+            if target is None or not _fits(target, tensor):
+                unexpected.append(f"layers.{layer}.mlp.{name} {list(tensor.shape)} {tensor.dtype}")
                 continue
-            target.copy_(tensor if name.endswith(_KEEP_FLOAT32) else tensor.to(dtype))
+            as_is = (
+                name.endswith(_KEEP_FLOAT32)
+                or target.dtype == FP8_DTYPE
+                or (scheme is not None and name.endswith(scheme.scale_name))
+            )
+            target.copy_(tensor.reshape(target.shape) if as_is else tensor.to(dtype))
             stack.loaded_bytes += target.numel() * target.element_size()
     if targets or unexpected:
         missing = [f"layers.{layer}.mlp.{name}" for layer, name in targets]
@@ -297,9 +327,21 @@ def load_ffn_stack(
     return _quantized(stack.eval(), quantization)
 
 
+def _fits(target: torch.Tensor, tensor: torch.Tensor) -> bool:
+    """A checkpoint tensor fits its destination: the same shape (a scalar scale `[]`
+    and `[1]` alike), and an FP8 destination takes FP8 only."""
+    same = target.shape == tensor.shape or target.numel() == tensor.numel() == 1
+    return same and (target.dtype != FP8_DTYPE or tensor.dtype == FP8_DTYPE)
+
+
 def _copy_replicas(stack: FFNStack) -> None:
+    """Fill each MoE layer's replica slots; FP8 checkpoint experts finish loading
+    (`Fp8Experts.finish_loading`: per-tensor scales merged, then the replicas)."""
     for block in stack.moe_blocks:
-        block.experts.copy_replicas()
+        if isinstance(block.experts, Fp8Experts):
+            block.experts.finish_loading()
+        else:
+            block.experts.copy_replicas()
 
 
 def _quantized(stack: FFNStack, quantization: Literal["fp8"] | None) -> FFNStack:

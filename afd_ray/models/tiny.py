@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -37,7 +39,7 @@ from afd_ray.layers.family import MODEL_FAMILIES
 from afd_ray.models import FAMILIES, Family
 from afd_ray.models._folder import build_once, is_checkpoint
 
-__all__ = ["BUILD_INFO", "build_tiny", "tiny_config", "train_tokenizer"]
+__all__ = ["BUILD_INFO", "build_tiny", "quantize_fp8_checkpoint", "tiny_config", "train_tokenizer"]
 
 VOCAB_SIZE = 512
 BOS, EOS = "<s>", "</s>"  # token ids 0 and 1
@@ -285,3 +287,60 @@ def build_tiny(family: Family, out_dir: Path, seed: int = 0, cuda_mla_heads: boo
                 f"not tiny {family} seed {seed}{' with cuda_mla_heads' if cuda_mla_heads else ''}"
             )
     return build_once(Path(out_dir), lambda tmp: _build(family, seed, tmp, cuda_mla_heads, skew))
+
+
+_FP8_LINEAR = re.compile(r"^model\.layers\.\d+\..*(?:_proj|\.w[123])\.weight$")
+"""The linear weights an FP8 checkpoint stores in FP8 (DeepSeek-V3's layout): every
+projection of a decoder layer; not the router gate, norms, embeddings or LM head."""
+
+
+def quantize_fp8_checkpoint(src: Path, out: Path, block_shape: tuple[int, int] | None) -> Path:
+    """Write an FP8 copy of checkpoint `src` into `out` (created) and return `out`: what
+    DeepSeek-V3 and Qwen3-FP8 ship, for tests.
+
+    Every decoder-layer projection weight `W [N, K]` (`_FP8_LINEAR`) becomes
+    float8_e4m3fn `round(W / s)` with `s` = amax / 448 of each `block_shape` block,
+    saved as `....weight_scale_inv` `[ceil(N / bn), ceil(K / bk)]` float32 (block), or
+    of the whole tensor, saved as `....weight_scale` `[]` float32 (`block_shape`
+    None); other tensors are copied. config.json gets `quantization_config`
+    (`quant_method: fp8`, `activation_scheme: dynamic`, `weight_block_size`); the other
+    files (tokenizer, ...) are copied. `W.float() * s` (`afd_ray.layers.fp8.dequantize_fp8`)
+    is within FP8 rounding (2^-4 relative) of `W`.
+    """
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    fp8, largest = torch.float8_e4m3fn, torch.finfo(torch.float8_e4m3fn).max
+    out.mkdir(parents=True)
+    tensors: dict[str, torch.Tensor] = {}
+    for path in sorted(src.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                weight = f.get_tensor(name)
+                if not _FP8_LINEAR.match(name):
+                    tensors[name] = weight
+                    continue
+                if block_shape is None:
+                    scale = (weight.float().abs().amax() / largest).clamp(min=1e-12)
+                    full = scale
+                else:
+                    rows, cols = weight.shape
+                    bn, bk = block_shape
+                    padded = torch.zeros(-(-rows // bn) * bn, -(-cols // bk) * bk)
+                    padded[:rows, :cols] = weight.float().abs()
+                    blocks = padded.view(padded.shape[0] // bn, bn, padded.shape[1] // bk, bk)
+                    scale = (blocks.amax(dim=(1, 3)) / largest).clamp(min=1e-12)  # [N/bn, K/bk]
+                    full = scale.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[:rows, :cols]
+                tensors[name] = (weight.float() / full).clamp(-largest, largest).to(fp8)
+                suffix = "weight_scale" if block_shape is None else "weight_scale_inv"
+                tensors[name.removesuffix("weight") + suffix] = scale.float().contiguous()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    for path in src.iterdir():
+        if path.is_file() and not path.name.endswith((".safetensors", ".safetensors.index.json")):
+            shutil.copy(path, out / path.name)
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3"} | (
+        {"weight_block_size": list(block_shape)} if block_shape else {}
+    )
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out

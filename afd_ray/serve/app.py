@@ -10,7 +10,7 @@ from afd_ray.attention.server import AttentionServer
 from afd_ray.autoscale.loader import load_policy
 from afd_ray.autoscale.schema import AutoscalePolicy
 from afd_ray.config import AFDConfig, IngressPlacement, PoolPlacement
-from afd_ray.serve.check import ClusterResources, fp8_device_errors
+from afd_ray.serve.check import ClusterResources, eplb_model_errors, fp8_device_errors
 from afd_ray.control.coordinator import (
     ATTENTION_DEPLOYMENT,
     FFN_DEPLOYMENT,
@@ -65,8 +65,10 @@ def build_app(args: dict[str, object]) -> Application:
             names the field in that file), `ingress.api_key_env` /
             `ingress.admin_key_env` names an unset environment variable, or
             `gate_placement: gate_on_attention` comes with a dense model
-            (`check_gate_placement`), or `model.quantization: fp8` with a Ray cluster
-            that has GPUs without FP8 kernels (`fp8_device_errors`).
+            (`check_gate_placement`), or `ffn.eplb` on with a dense model
+            (`eplb_model_errors`), or FP8 (`model.quantization: fp8` or an FP8
+            checkpoint) with a Ray cluster that has GPUs without FP8 kernels
+            (`fp8_device_errors`).
 
     `serve run FILE.yaml` does not exit when this raises: Ray 2.60 builds the app in a
     task of its controller, marks it DEPLOY_FAILED after retries, and `serve run`
@@ -75,7 +77,10 @@ def build_app(args: dict[str, object]) -> Application:
     """
     cfg = AFDConfig.model_validate(args)
     check_gate_placement(cfg.model, cfg.gate_placement)
-    if cfg.model.quantization is not None and ray.is_initialized():
+    eplb_errors = eplb_model_errors(cfg, prefix="")
+    if eplb_errors:
+        raise ValueError("; ".join(map(str, eplb_errors)))
+    if cfg.model.fp8 and ray.is_initialized():
         fp8_errors = fp8_device_errors(cfg, ClusterResources.of_running_cluster(), prefix="")
         if fp8_errors:
             raise ValueError("; ".join(map(str, fp8_errors)))

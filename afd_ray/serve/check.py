@@ -8,11 +8,16 @@ model, the autoscaling policy it names). Only when given a running Ray cluster's
 resources does it check the pools against them (`cluster_errors`); so a CUDA config
 passes on a laptop without a GPU. Not checked: the API-key variables
 (`ingress.api_key_env`), which the Serve build reads on the cluster.
+
+Every error in one run where it can be told apart (`_validated`: cross-field checks
+too); unknown keys of the Serve file itself (`aplications`) name the nearest valid one.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import difflib
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -31,6 +36,7 @@ __all__ = [
     "ConfigError",
     "args_errors",
     "cluster_errors",
+    "eplb_model_errors",
     "file_errors",
     "fp8_device_errors",
     "policy_errors",
@@ -111,29 +117,117 @@ def validation_errors(error: ValidationError, prefix: str) -> list[ConfigError]:
     return found
 
 
-def args_errors(args: object, prefix: str = "args") -> tuple[AFDConfig | None, list[ConfigError]]:
-    """Validate an application's `args` as `build_app` does, without a cluster.
+_PASSES = 8  # most validations of one application's `args` (`_validated`)
 
-    Returns the config (None when it does not validate) and every error found.
+
+def args_errors(args: object, prefix: str = "args") -> tuple[AFDConfig | None, list[ConfigError]]:
+    """Validate an application's `args` as `build_app` does, without a cluster: the
+    config tree (`_validated`), then, on the config less its bad keys, the gate
+    placement against the model, EPLB against the model (`eplb_model_errors`) and the
+    autoscaling policy file, each error kept unless it names a key that failed.
+
+    Returns the config (None when `args` has an error the tree finds) and every error found.
     """
     from afd_ray.models.embedded import check_gate_placement
 
-    try:
-        cfg = AFDConfig.model_validate(args)
-    except ValidationError as e:
-        return None, validation_errors(e, prefix)
-    found = []
+    cfg, found, dropped = _validated(args, prefix)
+    if cfg is None:
+        return None, found
+    more = []
     try:
         check_gate_placement(cfg.model, cfg.gate_placement)
     except ValueError as e:
-        found.append(_split_key(prefix, str(e)))
+        more.append(_split_key(prefix, str(e)))
+    more += eplb_model_errors(cfg, prefix)
     if cfg.autoscale.policy is not None:
         where = _path(prefix, ["autoscale", "policy"])
         try:
-            found += [ConfigError(where, f"{cfg.autoscale.policy}: {e}") for e in policy_errors(cfg.autoscale.policy)]
+            more += [ConfigError(where, f"{cfg.autoscale.policy}: {e}") for e in policy_errors(cfg.autoscale.policy)]
         except OSError as e:
-            found.append(ConfigError(where, str(e)))
-    return cfg, found
+            more.append(ConfigError(where, str(e)))
+    found += [error for error in more if not _names_any(error, dropped)]
+    return (None if dropped else cfg), found
+
+
+def _validated(args: object, prefix: str) -> tuple[AFDConfig | None, list[ConfigError], list[str]]:
+    """`AFDConfig` of `args` less the keys that failed, every error, and those keys.
+
+    Pydantic runs a section's `model_validator` only once the section's fields
+    validate, and the tree's cross-section checks (`AFDConfig._bounds`, which stop at
+    the first) only once every section does. So each failing key (the deepest key of
+    its path that `args` sets) is dropped, leaving its default, and the rest validated
+    again; errors of a later pass that name a dropped key (in their path or message)
+    are not reported, as they may come from the default. When the passes end without
+    a config, a last error says that cross-field checks were skipped.
+    """
+    data = copy.deepcopy(args)
+    found: list[ConfigError] = []
+    dropped: list[str] = []
+    for _ in range(_PASSES):
+        try:
+            return AFDConfig.model_validate(data), found, dropped
+        except ValidationError as e:
+            errors = validation_errors(e, "")
+        for error in errors:
+            if not _names_any(error, dropped):
+                parts = [] if error.path == "<root>" else error.path.split(".")
+                found.append(ConfigError(_path(prefix, parts) or "<root>", error.message))
+        cut = [key for key in (_drop(data, error.path) for error in errors) if key is not None]
+        if not cut:
+            break
+        dropped += cut
+    if not isinstance(data, dict):  # no field to check across
+        return None, found, dropped
+    skipped = "cross-field checks were skipped because of the errors above; fix them and check again"
+    return None, [*found, ConfigError(prefix or "<root>", skipped)], dropped
+
+
+def _drop(data: object, path: str) -> str | None:
+    """Delete the deepest key of dotted `path` that `data` sets; its path, or None (none set)."""
+    node, parent, depth = data, None, 0
+    parts = path.split(".")
+    for part in parts:
+        if not (isinstance(node, dict) and part in node):
+            break
+        parent, node, depth = node, node[part], depth + 1
+    if parent is None:
+        return None
+    del parent[parts[depth - 1]]
+    return ".".join(parts[:depth])
+
+
+def _names_any(error: ConfigError, keys: Iterable[str]) -> bool:
+    """`error`'s path or message names one of the dotted `keys` (or a key under one)."""
+    text = f"{error.path} {error.message}"
+    return any(re.search(rf"(?<!\w){re.escape(key)}(?![\w])", text) for key in keys)
+
+
+def eplb_model_errors(cfg: AFDConfig, prefix: str = "args") -> list[ConfigError]:
+    """`ffn.eplb.enabled` or `num_redundant_experts` with a model without MoE layers,
+    where its `config.json` is readable here (embedded: `EMBEDDED_MOE`; a local folder:
+    `ffn_layout`); other sources, or unknown architectures, are left to the FFN rank."""
+    from transformers import AutoConfig
+
+    from afd_ray.layers.family import ffn_layout
+    from afd_ray.models.embedded import EMBEDDED_MOE
+
+    eplb, source = cfg.ffn.eplb, cfg.model.source
+    if not (eplb.enabled or eplb.num_redundant_experts):
+        return []
+    if source in EMBEDDED_MOE:
+        moe = EMBEDDED_MOE[source]
+    elif (Path(source) / "config.json").is_file():
+        try:
+            moe = bool(ffn_layout(AutoConfig.from_pretrained(source)).moe_layers)
+        except ValueError:
+            return []
+    else:
+        return []
+    if moe:
+        return []
+    key, value = ("enabled", "true") if eplb.enabled else ("num_redundant_experts", eplb.num_redundant_experts)
+    dense = f"model.source {source!r} is dense (no MoE layer): leave ffn.eplb off"
+    return [ConfigError(_path(prefix, ["ffn", "eplb", key]), f"{value} balances the experts of MoE layers; {dense}")]
 
 
 def policy_errors(path: str | Path) -> list[ConfigError]:
@@ -216,25 +310,39 @@ def _ffn_bundles(cfg: AFDConfig) -> tuple[int, str]:
 
 
 def fp8_device_errors(cfg: AFDConfig, cluster: ClusterResources, prefix: str = "args") -> list[ConfigError]:
-    """`model.quantization: fp8` on a cluster whose GPU nodes include a type without
-    FP8 kernels (`NO_FP8_ACCELERATORS`, from each node's `accelerator_type:` resource).
+    """`model.quantization: fp8`, or an FP8 checkpoint (`model.source`), on a cluster
+    whose GPU nodes include a type without FP8 kernels (`NO_FP8_ACCELERATORS`, from
+    each node's `accelerator_type:` resource).
 
     Types Ray does not name, and clusters without GPUs (the pool check reports those),
     are left to vLLM's own check at engine start.
     """
-    if cfg.model.quantization != "fp8":
+    if not cfg.model.fp8:
         return []
     types = {name.removeprefix(_ACCELERATOR) for name in cluster.total if name.startswith(_ACCELERATOR)}
     slow = sorted(types & NO_FP8_ACCELERATORS)
     if not slow:
         return []
     capability = ".".join(map(str, FP8_CAPABILITY))
+    key, what = ("quantization", "fp8") if cfg.model.quantization else ("source", "an FP8 checkpoint")
     return [
         ConfigError(
-            _path(prefix, ["model", "quantization"]),
-            f"fp8 needs GPUs of compute capability >= {capability}; the running Ray cluster has {', '.join(slow)}",
+            _path(prefix, ["model", key]),
+            f"{what} needs GPUs of compute capability >= {capability}; the running Ray cluster has {', '.join(slow)}",
         )
     ]
+
+
+def _unknown_keys(data: Mapping[object, object], known: list[str], where: str) -> list[ConfigError]:
+    """An error for each key of `data` not in `known` (Ray Serve's schema fields, which
+    Ray does not refuse), with the nearest known name when there is a close one."""
+    found = []
+    for key in data:
+        if key not in known:
+            near = difflib.get_close_matches(str(key), known, n=1)
+            hint = f"did you mean {near[0]!r}?" if near else f"expected one of {', '.join(known)}"
+            found.append(ConfigError(_path(where, [str(key)]), f"unknown key; {hint}"))
+    return found
 
 
 def file_errors(path: Path, cluster: ClusterResources | None) -> tuple[int, list[ConfigError]]:
@@ -250,7 +358,9 @@ def file_errors(path: Path, cluster: ClusterResources | None) -> tuple[int, list
     Raises:
         OSError: the file cannot be read.
     """
-    from ray.serve.schema import ServeDeploySchema
+    from ray.serve.schema import ServeApplicationSchema, ServeDeploySchema
+
+    from afd_ray.autoscale.schema import AutoscalePolicy
 
     try:
         data = yaml.safe_load(path.read_text())
@@ -258,14 +368,21 @@ def file_errors(path: Path, cluster: ClusterResources | None) -> tuple[int, list
         return 0, [ConfigError("<file>", f"not valid YAML: {e}")]
     if not isinstance(data, dict):
         return 0, [ConfigError("<file>", "expected a Serve config (a mapping with `applications`) or a policy")]
+    serve_keys = list(ServeDeploySchema.model_fields)
+    unknown = _unknown_keys(data, serve_keys, "")
     if "applications" not in data:
-        return 1, policy_errors(path)
+        near_serve = any(difflib.get_close_matches(str(key), serve_keys, n=1) for key in data)
+        if set(data) & set(AutoscalePolicy.model_fields) or not near_serve:
+            return 1, policy_errors(path)
+        return 0, [*unknown, ConfigError("applications", "missing: a Serve config lists its applications here")]
     try:
         ServeDeploySchema.model_validate(data)
     except ValidationError as e:
-        return 0, validation_errors(e, "")
-    found, checked = [], 0
+        return 0, unknown + validation_errors(e, "")
+    app_keys = list(ServeApplicationSchema.model_fields)
+    found, checked = unknown, 0
     for index, app in enumerate(data["applications"]):
+        found += _unknown_keys(app, app_keys, f"applications[{index}]")
         if app.get("import_path") != APP_IMPORT_PATH:
             continue
         checked += 1
