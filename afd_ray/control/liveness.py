@@ -4,8 +4,9 @@ The coordinator holds one idle TCP connection to each live FFN rank's `TCPStore`
 rank's `FFNAddress.store_port`, served by the rank's own process). When that process
 ends (SIGKILL, a crash, an exit), its kernel closes the connection and the coordinator
 reads EOF within milliseconds, where Serve's replica states tell it only once Serve's
-health check (every 2 s) failed. The store never writes to a client that sends
-nothing, and a client that sends nothing disturbs no rendezvous on it.
+health check of the replica (every 0.5 s for an FFN rank) failed. The store never
+writes to a client that sends nothing, and a client that sends nothing disturbs no
+rendezvous on it.
 
 What this does not see: a hung or stopped process keeps its connection open (the
 heartbeat, `ffn.heartbeat_timeout_s`, finds it), and neither does a lost node's

@@ -29,6 +29,12 @@ _COORDINATOR_CALLS = 10_000
 _HEALTH_CHECK_PERIOD_S = 2.0
 """Serve's health check period of pool members: an attention rank whose engine failed
 (its FFN peer was lost mid-step) is replaced after 3 failed checks, about 6 s."""
+_FFN_HEALTH_CHECK_PERIOD_S = 0.5
+"""Serve's health check period of FFN ranks: Serve learns that a killed FFN replica's
+actor died only from its next health check, and starts the replacement then (the
+coordinator saw the death at once, `afd_ray.control.liveness`). At 2 s this took
+0.6-2.2 s of a no-standby recovery's pause (docs/failures.md); a check costs the
+rank one trivial call."""
 HEAD_NODE_RESOURCE = "node:__internal_head__"
 """The Ray resource only the head node has, amount 1 (Ray 2.60
 `ray._common.constants.HEAD_NODE_RESOURCE_NAME`; Serve's controller claims 0.001 of it
@@ -107,7 +113,7 @@ def build_app(args: dict[str, object]) -> Application:
             num_replicas=cfg.ffn.num_ranks + cfg.ffn.standby_ranks,  # the layout's ranks and the standbys
             graceful_shutdown_timeout_s=cfg.autoscale.resize_timeout_s,
             **_member_placement(cfg.platform, cfg.ffn.bundle_resources, cfg.ffn.placement),
-            health_check_period_s=_HEALTH_CHECK_PERIOD_S,
+            health_check_period_s=_FFN_HEALTH_CHECK_PERIOD_S,
         )
         .bind(
             cfg.platform,
