@@ -55,6 +55,7 @@ from afd_ray.control.registry import Registry
 from afd_ray.control.resize import ATTENTION_DEPLOYMENT, FFN_DEPLOYMENT, Resizer
 from afd_ray.control.status import StatusView
 from afd_ray.eplb.records import EPLBEvent
+from afd_ray.eplb.slots import Slots
 from afd_ray.observability.publish import CoordinatorPublisher
 from afd_ray.observability.signals import AttentionReport, SignalAggregator
 from afd_ray.observability.stall import LoopWatch
@@ -129,7 +130,9 @@ class Coordinator:
         ]
         if self._autoscaler is not None:
             self._tasks.append(asyncio.create_task(self._autoscaler.run()))
-        self._eplb = EPLBController(ffn.eplb, self._registry, self._resizer, observability.metrics)
+        self._eplb = EPLBController(
+            ffn.eplb, self._registry, self._resizer, observability.metrics, lambda: self._recovery.dead(None)
+        )
         self._tasks.append(asyncio.create_task(self._eplb.run()))
         if self._published is not None:
             self._tasks.append(asyncio.create_task(self._view.publish(self._published)))
@@ -208,12 +211,17 @@ class Coordinator:
             await registry.notify()
         return self._eplb.directive(registry.ffn_directive(rank, epoch))
 
-    async def rejoin_ffn(self, member: FFNMember, layout: tuple[int, ...], preparing: int) -> None:
+    async def rejoin_ffn(
+        self, member: FFNMember, layout: tuple[int, ...], preparing: int, placements: tuple[Slots, ...] | None = None
+    ) -> None:
         """A running FFN rank re-registers after this coordinator restarted: `member`
         as it knows itself (address, replica, the epoch, EP rank and loop state it
         serves), the FFN ranks of that layout in EP order, and the newest layout epoch
-        it was asked to prepare (`Registry.rejoin_ffn`)."""
+        it was asked to prepare (`Registry.rejoin_ffn`); the expert placement of that
+        layout (EPLB, None: contiguous; `EPLBController.rejoined`)."""
         self._registry.rejoin_ffn(member, tuple(layout), preparing)
+        if layout and member.epoch is not None:
+            self._eplb.rejoined(member.epoch, placements)
         self._recovery.heard(member.rank, member.loop or LoopState.SERVING)
         await self._registry.notify()
 

@@ -13,7 +13,14 @@ mean balancedness is under `balancedness_bound`) computes the new placement with
 (`Resizer.relayout`): a new layout epoch over the same FFN ranks, each rank loading its
 new slots beside the old ones (copying what it holds, reading the rest from the
 checkpoint) while the old layout serves, all switching at one agreed step boundary.
-Any other layout change (resize, recovery) returns to the contiguous placement.
+An FFN rank found dead meanwhile ends the rebalance (its plan is dropped, the event
+carries the error) so that the recovery re-forms the layout at once.
+
+Any other layout change (a resize, a recovery) keeps the placement policy while EPLB
+is in use (`ffn.eplb.enabled`, or the serving layout holds a rebalanced placement):
+its new layout's placement is the policy's for the new EP size from the window's load
+(`afd_ray.eplb.layouts.layout_placement`, against the serving placement when the size
+stays); else, or with no load in the window, the contiguous blocks.
 """
 
 from __future__ import annotations
@@ -21,14 +28,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from afd_ray.config.eplb import EPLBConfig
 from afd_ray.control.membership import EPAssignment, FFNDirective
 from afd_ray.control.registry import Registry
 from afd_ray.control.resize import Resizer
+from afd_ray.eplb.layouts import layout_placement
 from afd_ray.eplb.slots import Slots, default_slots, layer_balancedness, rank_rows, redundant_for
-from afd_ray.eplb.policy import LayerPlacement, rebalance
 from afd_ray.eplb.records import EPLBEvent, EPLBStatus
 from afd_ray.observability.metrics import MetricSet
 
@@ -48,17 +55,28 @@ class EPLBController:
         registry: the FFN ranks and the serving layout.
         resizer: switches the FFN layout (`Resizer.relayout`).
         metrics: export `afd_eplb_balancedness` (`observability.metrics`).
+        dead: FFN ranks found dead now (`Recovery.dead`): a rebalance ends when one
+            of its layout is.
     """
 
-    def __init__(self, config: EPLBConfig, registry: Registry, resizer: Resizer, metrics: bool) -> None:
+    def __init__(
+        self,
+        config: EPLBConfig,
+        registry: Registry,
+        resizer: Resizer,
+        metrics: bool,
+        dead: Callable[[], Collection[int]] = tuple,
+    ) -> None:
         self._config = config
         self._registry = registry
         self._resizer = resizer
+        self._dead = dead
         self._metrics = MetricSet(("afd_eplb_balancedness",)) if metrics else None
         self._loads: dict[int, list[list[int]]] = {}
         """Each FFN rank's latest window `[L][E]`."""
-        self._placements: dict[int, tuple[Slots, ...]] = {}
-        """The placement of each layout epoch a rebalance made (others: contiguous)."""
+        self._placements: dict[int, tuple[Slots, ...] | None] = {}
+        """The placement of each layout epoch a rebalance, resize or recovery planned
+        (None, or an epoch not here: contiguous)."""
         self.events: list[EPLBEvent] = []
         self._checked_at = 0
         """FFN steps of the serving layout's first rank at the last policy check."""
@@ -68,12 +86,24 @@ class EPLBController:
         if load:
             self._loads[rank] = [list(rows) for rows in load]
 
+    def rejoined(self, epoch: int, placements: Sequence[Slots] | None) -> None:
+        """An FFN rank rejoined this (restarted) coordinator serving the layout of
+        `epoch` with `placements` (None: contiguous): the placement of that layout,
+        which every rank of it holds, unless known already."""
+        held = None if placements is None else tuple(tuple(tuple(rank) for rank in slots) for slots in placements)
+        self._placements.setdefault(epoch, held)
+
     def placed(self, epoch: int) -> tuple[Slots, ...] | None:
         """The placement of layout `epoch` (None: contiguous blocks)."""
         return self._placements.get(epoch)
 
     def assign(self, assignment: EPAssignment) -> EPAssignment:
-        """`assignment` with the placement of its layout epoch."""
+        """`assignment` with the placement of its layout epoch; the first one of a
+        pending plan's epoch fixes that layout's placement (`_new_layout`), so every
+        rank of it gets the same."""
+        plan = self._registry.plan
+        if plan is not None and assignment.epoch == plan.epoch and plan.epoch not in self._placements:
+            self._placements[plan.epoch] = self._new_layout(len(plan.ranks))
         placed = self.placed(assignment.epoch)
         return assignment if placed is None else assignment.model_copy(update={"placements": placed})
 
@@ -86,12 +116,29 @@ class EPLBController:
             update={"plan": plan.model_copy(update={"assignment": self.assign(plan.assignment)})}
         )
 
-    def _window(self) -> tuple[list[list[int]], tuple[Slots, ...]] | None:
-        """The pool's window load `[L][E]` over the serving layout's ranks, and the
-        placement in use; None before any routed row was reported (a dense model, or
-        MoE ranks that served no step yet and report windows of zeros)."""
+    def _new_layout(self, ep_size: int) -> tuple[Slots, ...] | None:
+        """The placement of a resize's or recovery's new layout of `ep_size` ranks
+        (module docstring): the contiguous blocks unless EPLB is in use."""
         registry = self._registry
-        loads = [self._loads[r] for r in registry.layout if r in self._loads]
+        serving = self.placed(registry.layout_epoch)
+        ranks = (*registry.formed_layout(), *registry.layout)  # a lost rank's last window too
+        window = self._window(ranks) if self._config.enabled or serving is not None else None
+        if window is None:
+            return None
+        current = serving if serving is not None and len(serving[0]) == ep_size else None
+        placed = layout_placement(
+            window[0], ep_size, self._config.num_redundant_experts, self._config.min_gain, current
+        )
+        logger.info("EPLB: the FFN layout of %d ranks takes placement %s", ep_size, placed or "contiguous")
+        return placed
+
+    def _window(self, ranks: Sequence[int] | None = None) -> tuple[list[list[int]], tuple[Slots, ...]] | None:
+        """The pool's window load `[L][E]` over the serving layout's ranks (or
+        `ranks`), and the placement in use; None before any routed row was reported
+        (a dense model, or MoE ranks that served no step yet and report windows of
+        zeros)."""
+        registry = self._registry
+        loads = [self._loads[r] for r in dict.fromkeys(registry.layout if ranks is None else ranks) if r in self._loads]
         total = [[sum(rows) for rows in zip(*layer, strict=True)] for layer in zip(*loads, strict=True)]
         if not any(map(any, total)):
             return None
@@ -124,29 +171,34 @@ class EPLBController:
         """Compute the placement of the window's load and switch to it (module
         docstring); layers that would gain less than `min_gain` keep theirs. Returns
         the event (also kept in `events`): `epoch` None when nothing moved, `error`
-        set when it could not (no MoE load reported yet, experts that do not split
-        evenly over the FFN ranks, a resize under way, the switch failed)."""
+        set when it could not (no MoE load reported yet, no EPLB placement at this EP
+        size (`redundant_for`), a resize or recovery under way, a rank of the layout
+        found dead before the switch, the switch failed)."""
         started = time.time()
-        window = self._window()
+        resizer, window = self._resizer, self._window()
+        if resizer.busy or resizer.layout_lock.locked() or self._registry.plan is not None:
+            return self._failed(
+                reason, started, "the FFN layout is changing (a resize or recovery): retry once it serves"
+            )
         if window is None:
             return self._failed(reason, started, "no expert load reported yet (a dense model, or no FFN step served)")
         load, placed = window
         ep_size, num_experts = len(placed[0]), len(load[0])
         redundant = redundant_for(num_experts, ep_size, self._config.num_redundant_experts)
-        if redundant is None or len({len(rank) for rank in placed[0]}) != 1:
+        if redundant is None:
             message = f"{num_experts} experts do not split evenly over {ep_size} FFN ranks: no EPLB placement"
             return self._failed(reason, started, message)
-        current = [LayerPlacement(num_experts, slots) for slots in placed]
-        proposed = rebalance(load, current, redundant, self._config.min_gain)
+        config = self._config
+        slots = layout_placement(load, ep_size, config.num_redundant_experts, config.min_gain, placed)
+        slots = slots or (default_slots(num_experts, ep_size),) * len(load)
         before = _mean(layer_balancedness(load, placed))
-        moved = sum(new is not old for new, old in zip(proposed, current, strict=True))
-        after = _mean(layer_balancedness(load, [p.slots for p in proposed]))
+        moved = sum(new != old for new, old in zip(slots, placed, strict=True))
+        after = _mean(layer_balancedness(load, slots))
         event = EPLBEvent(reason=reason, started_s=started, layers_moved=moved, balancedness_before=before)
         if moved:
-            slots = tuple(p.slots for p in proposed)
             try:
                 epoch, pause_s, num_bytes = await self._resizer.relayout(
-                    lambda e: self._placements.__setitem__(e, slots)
+                    lambda e: self._placements.__setitem__(e, slots), self._dead
                 )
                 event = event.model_copy(update={"epoch": epoch, "pause_s": pause_s, "bytes_loaded": num_bytes})
             except Exception as exc:

@@ -221,6 +221,10 @@ class FFNMember(_Record):
     f2a_bytes: int = 0
     split: StepSplit = StepSplit()
     """The step split of its timed steps (`FFNStats.split`)."""
+    compute_s: float = 0.0
+    """FFN compute, EP collectives excluded, summed over steps, seconds (`FFNStats.compute_s`)."""
+    ep_s: float = 0.0
+    """EP collectives, summed over steps, seconds (`FFNStats.ep_s`): waits for the straggler."""
     expert_tokens: list[int] = []
     """Rows this rank's tokens routed to each expert, summed over MoE layers and steps;
     divided by `steps` x MoE layers it is tokens per expert per step (expert load)."""

@@ -29,7 +29,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
+from contextlib import suppress
 
 from afd_ray.config import AttentionPoolConfig, AutoscaleConfig, FFNPoolConfig
 from afd_ray.control.membership import MemberState, ResizeEvent, ScaleRequest
@@ -39,8 +40,7 @@ from afd_ray.control.serve_api import replica_states, set_num_replicas, target_r
 
 __all__ = ["ATTENTION_DEPLOYMENT", "FFN_DEPLOYMENT", "FFN_STANDBY", "Resizer"]
 
-logger = logging.getLogger("ray.serve")
-"""Serve's logger: resizes show in the coordinator replica's log and on the console."""
+logger = logging.getLogger("ray.serve")  # resizes show in the coordinator replica's log and on the console
 
 ATTENTION_DEPLOYMENT = "attention"
 FFN_DEPLOYMENT = "ffn"
@@ -263,14 +263,14 @@ class Resizer:
             registry.retire_gone_ffn(self.targets[FFN_DEPLOYMENT])
             await registry.notify()
 
-    async def relayout(self, on_epoch: Callable[[int], None]) -> tuple[int, float, int]:
-        """A new layout epoch over the same FFN ranks (EPLB: a new expert placement,
-        `afd_ray.control.eplb`), make before break as an FFN resize; `on_epoch(epoch)`
-        runs just before the plan of `epoch` is published. Returns the epoch, the
-        longest step-boundary pause and the weight bytes the ranks loaded.
-
+    async def relayout(
+        self, on_epoch: Callable[[int], None], dead: Callable[[], Collection[int]]
+    ) -> tuple[int, float, int]:
+        """A new layout epoch over the same FFN ranks (EPLB's new expert placement), make
+        before break as an FFN resize; `on_epoch(epoch)` runs just before the plan of
+        `epoch` is published. Returns the epoch, the longest pause and bytes loaded.
         Raises:
-            RuntimeError: a resize or recovery is under way.
+            RuntimeError: a resize or recovery is under way, or a rank is in `dead()`.
             TimeoutError: not done within `autoscale.resize_timeout_s`.
         """
         registry = self._registry
@@ -279,19 +279,31 @@ class Resizer:
         async with self.layout_lock:
             self._pause_s, self._bytes = 0.0, 0
             on_epoch(registry.epoch + 1)  # _switch_layout takes that epoch before it awaits anything
-            await asyncio.wait_for(self._switch_layout(registry.layout, leaving=None), self._timeout_s)
+            await asyncio.wait_for(self._switch_layout(registry.layout, leaving=None, dead=dead), self._timeout_s)
             await asyncio.sleep(_SETTLE_S)  # the FFN ranks' reports of the switch's pauses
             return registry.layout_epoch, self._pause_s, self._bytes
 
-    async def _switch_layout(self, ranks: tuple[int, ...], leaving: int | None) -> None:
+    async def _switch_layout(
+        self, ranks: tuple[int, ...], leaving: int | None, dead: Callable[[], Collection[int]] = tuple
+    ) -> None:
         """Make before break: publish the plan, wait until every rank of the old and
-        the new layout serves its epoch (they switch together at one step boundary)."""
+        the new layout serves its epoch (they switch together at one step boundary).
+
+        A rank of either layout in `dead()` first (read every `WATCH_PERIOD_S`) drops
+        the plan and raises RuntimeError: the recovery then runs at once."""
         registry = self._registry
         plan = Plan(registry.next_epoch(), ranks, leaving)
         registry.plan = plan
         await registry.notify()
         involved = set(ranks) | set(registry.layout)
-        await registry.wait(lambda: all(registry.ffn[r].reached(plan.epoch) for r in involved), self._timeout_s)
+        reached = lambda: all(registry.ffn[r].reached(plan.epoch) for r in involved)  # noqa: E731
+        while not reached():
+            if lost := sorted(involved & set(dead())):
+                registry.plan = None
+                await registry.notify()
+                raise RuntimeError(f"FFN ranks {lost} died before the layout of epoch {plan.epoch} served")
+            with suppress(TimeoutError):
+                await registry.wait(reached, WATCH_PERIOD_S)
         registry.switch_layout(plan)
         await registry.notify()
 

@@ -136,6 +136,8 @@ class FFNServer:
         self._shard = (assignment.ep_rank, assignment.ep_size, assignment.placements)
         self._layouts = {assignment.epoch: assignment.ranks}
         """The FFN ranks in EP order of each layout this rank served or prepares, by epoch."""
+        self._placements = {assignment.epoch: assignment.placements}
+        """EPLB: the expert placement of each of those layouts (None: contiguous), by epoch."""
         self._preparing = assignment.epoch
         self._standby_at = assignment.epoch if assignment.standby else None
         """The layout epoch this rank stands by under, holding every expert (`ffn.standby_ranks`;
@@ -261,7 +263,8 @@ class FFNServer:
             ep_rank=layout.index(self.rank) if self.rank in layout else None,
             loop=loop,
         )
-        await self._coordinator.rejoin_ffn.remote(member, layout, self._preparing)
+        placements = self._placements.get(epoch) if layout else None
+        await self._coordinator.rejoin_ffn.remote(member, layout, self._preparing, placements)
         logger.info(
             "FFN rank %d rejoined the coordinator (epoch %d, layout %s, loop %s)", self.rank, epoch, layout, loop.value
         )
@@ -278,6 +281,8 @@ class FFNServer:
             layout.prepare_switch(LayoutSwitch(plan.epoch, layout.model, None, leave=True))
             return
         self._layouts[plan.epoch] = assignment.ranks
+        self._placements = {e: p for e, p in self._placements.items() if e >= layout.epoch}
+        self._placements[plan.epoch] = assignment.placements
         stack = layout.model
         shard = (assignment.ep_rank, assignment.ep_size, assignment.placements)  # EPLB: a new placement reloads
         if stack.moe_blocks and shard != self._shard:

@@ -18,20 +18,33 @@ _HEADINGS = ("attention", "A2F wire/wait", "FFN queue", "FFN compute", "EP coll.
 
 def format_trace(request_id: str, steps: list[dict[str, object]]) -> str:
     """A table of `GET /afd/trace/<id>`'s steps, milliseconds, with the totals and each
-    part's share of the total."""
+    part's share of the total; with EP, each step's slowest FFN rank and its compute
+    (`ffn_rank_compute_s`), and every FFN rank's compute summed over the steps."""
     head = f"{'step':>6} {'rank':>4} {'tokens':>6} {'total':>8} " + " ".join(f"{h:>13}" for h in _HEADINGS)
-    lines = [f"request {request_id}: {len(steps)} engine steps (ms)", head]
+    ep = any(step.get("ffn_rank_compute_s") for step in steps)
+    lines = [f"request {request_id}: {len(steps)} engine steps (ms)", head + (" slowest FFN rank" if ep else "")]
+    by_rank: dict[str, float] = {}
     for step in steps:
         parts = " ".join(f"{1e3 * float(step[p]):13.2f}" for p in _PARTS)
+        ranks: dict[str, float] = step.get("ffn_rank_compute_s") or {}  # JSON keys: strings
+        for rank, seconds in ranks.items():
+            by_rank[rank] = by_rank.get(rank, 0.0) + seconds
+        slowest = max(ranks, key=ranks.__getitem__) if ranks else None
+        straggler = f" {slowest:>4} {1e3 * ranks[slowest]:8.2f}" if slowest is not None else ""
         lines.append(
             f"{step['step_id']:>6} {step['attention_rank']:>4} {step['num_tokens']:>6} "
-            f"{1e3 * float(step['total_s']):8.2f} {parts}"
+            f"{1e3 * float(step['total_s']):8.2f} {parts}{straggler}"
         )
     total = sum(float(step["total_s"]) for step in steps)
     sums = [sum(float(step[p]) for step in steps) for p in _PARTS]
     lines.append(f"{'sum':>6} {'':>4} {'':>6} {1e3 * total:8.2f} " + " ".join(f"{1e3 * s:13.2f}" for s in sums))
     if total > 0:
         lines.append(f"{'share':>6} {'':>4} {'':>6} {'':>8} " + " ".join(f"{100 * s / total:12.1f}%" for s in sums))
+    if by_rank:
+        ranks_ms = ", ".join(
+            f"rank {rank} {1e3 * s:.2f}" for rank, s in sorted(by_rank.items(), key=lambda r: int(r[0]))
+        )
+        lines.append(f"FFN compute per FFN rank over these steps (ms, EP collectives excluded): {ranks_ms}")
     return "\n".join(lines)
 
 

@@ -141,6 +141,8 @@ class StepMeter:
         self.window_slot = 0
         """The load window's slot of the step in progress (or of the next one)."""
         self._window_steps = 0
+        self._epoch_steps = (0, 0)
+        """(layout epoch, steps recorded in it): `FFNStep.index`."""
 
     def begin(self, collective_s: float) -> StepTally:
         """Start a step now (it takes the next slot of the load window, cleared).
@@ -185,7 +187,9 @@ class StepMeter:
         end = time.perf_counter()
         ep_s = collective_s - tally.collective_s
         compute_s = max(tally.compute_s - ep_s, 0.0)
-        self.steps.append(FFNStep(epoch, tally.wall, peers, compute_s, ep_s, tally.f2a_s, end - tally.start))
+        index = self._epoch_steps[1] if self._epoch_steps[0] == epoch else 0
+        self._epoch_steps = (epoch, index + 1)
+        self.steps.append(FFNStep(epoch, tally.wall, peers, compute_s, ep_s, tally.f2a_s, end - tally.start, index))
         stats = self.stats
         self.stats = replace(
             stats,
@@ -196,6 +200,8 @@ class StepMeter:
             a2f_bytes=stats.a2f_bytes + a2f_bytes,
             f2a_bytes=stats.f2a_bytes + tally.f2a_bytes,
             split=stats.split + self.timeline.collect(),
+            compute_s=stats.compute_s + compute_s,
+            ep_s=stats.ep_s + ep_s,
         )
 
     def rest(self) -> None:

@@ -29,3 +29,10 @@ class FFNStats:
     """Bytes sent back to attention peers (FFN outputs), summed over layers."""
     split: StepSplit = StepSplit()
     """The step split of the timed steps (`afd_ray.observability.timeline`)."""
+    compute_s: float = 0.0
+    """FFN compute, EP collectives excluded, summed over steps, seconds (host time: on
+    CUDA, launch times). With EP the rank holding the hot experts has the most: the
+    straggler of every step (docs/eplb.md)."""
+    ep_s: float = 0.0
+    """EP collectives (all-gathers, reduce-scatters), summed over steps, seconds: with
+    EP the other ranks wait for the straggler here."""

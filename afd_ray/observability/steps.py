@@ -35,7 +35,7 @@ processes); `start_s` is `time.time()`, for display only.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -96,6 +96,10 @@ class FFNStep:
     """F2A sends, summed over layers and peers, seconds."""
     total_s: float
     """Start of compute to the last F2A sent, seconds."""
+    index: int = 0
+    """The step's number in its layout epoch, from 0. With EP every FFN rank of the
+    layout runs every step of its group, so `(epoch, index)` names one EP step on all
+    of them (`breakdown` joins their compute times)."""
 
 
 class StepRing(Generic[T]):
@@ -149,10 +153,20 @@ class TokenBreakdown(BaseModel):
     ffn_compute_s: float
     ep_collective_s: float
     f2a_s: float
+    ffn_rank_compute_s: dict[int, float] = {}
+    """With EP: the compute of the same EP step on each FFN rank of the layout (by FFN
+    rank, EP collectives excluded), seconds. The slowest is the straggler the others
+    waited for in their EP collectives (EPLB, docs/eplb.md); empty without EP or
+    without the other ranks' records."""
 
 
-def breakdown(request_id: str, attention: Iterable[AttentionStep], ffn: Iterable[FFNStep]) -> list[TokenBreakdown]:
-    """The steps that served `request_id`, each split as the module docstring says.
+def breakdown(
+    request_id: str, attention: Iterable[AttentionStep], ffn: Iterable[FFNStep] | Mapping[int, Iterable[FFNStep]]
+) -> list[TokenBreakdown]:
+    """The steps that served `request_id`, each split as the module docstring says;
+    `ffn`: the FFN ranks' records by FFN rank (with EP, each step then has every
+    rank's compute of that EP step, `TokenBreakdown.ffn_rank_compute_s`), or all of
+    them without their ranks.
 
     A step is kept when one of its engine request ids is `request_id` or starts with
     `request_id + "-"` (vLLM appends a suffix to the OpenAI id), and the same rank's
@@ -161,26 +175,37 @@ def breakdown(request_id: str, attention: Iterable[AttentionStep], ffn: Iterable
     A step without a joined FFN record (evicted from the FFN ring) has its whole
     exchange in `wire_s`.
     """
-    by_rank: dict[int, dict[tuple[int, int], AttentionStep]] = {}
+    by_attention: dict[int, dict[tuple[int, int], AttentionStep]] = {}
     for step in attention:
-        by_rank.setdefault(step.rank, {})[(step.epoch, step.step_id)] = step
+        by_attention.setdefault(step.rank, {})[(step.epoch, step.step_id)] = step
+    by_rank = ffn if isinstance(ffn, Mapping) else {None: ffn}
     peers: dict[tuple[int, int, int], tuple[FFNStep, PeerStep]] = {}
-    for step in ffn:
-        for peer in step.peers:
-            peers[(peer.rank, peer.epoch, peer.step_id)] = (step, peer)
+    ep_steps: dict[tuple[int, int], dict[int, float]] = {}
+    """`(epoch, index)` -> FFN rank -> its compute of that step."""
+    for ffn_rank, steps in by_rank.items():
+        for step in steps:
+            for peer in step.peers:
+                peers[(peer.rank, peer.epoch, peer.step_id)] = (step, peer)
+            if ffn_rank is not None:
+                ep_steps.setdefault((step.epoch, step.index), {})[ffn_rank] = step.compute_s
     prefix = request_id + "-"
 
     def served(step: AttentionStep | None) -> bool:
         return step is not None and any(r == request_id or r.startswith(prefix) for r in step.requests)
 
     out = []
-    for rank, steps in sorted(by_rank.items()):
+    for rank, steps in sorted(by_attention.items()):
         for (epoch, step_id), step in sorted(steps.items()):
             following = steps.get((epoch, step_id + 1))
             if not (served(step) and served(following)):
                 continue
             assert following is not None
-            out.append(_split(step, following.start_s - step.start_s, peers.get((rank, epoch, step_id))))
+            joined = peers.get((rank, epoch, step_id))
+            split = _split(step, following.start_s - step.start_s, joined)
+            ranks = ep_steps.get((joined[0].epoch, joined[0].index), {}) if joined is not None else {}
+            if len(ranks) > 1:  # EP: every rank's compute of that step
+                split = split.model_copy(update={"ffn_rank_compute_s": dict(sorted(ranks.items()))})
+            out.append(split)
     return sorted(out, key=lambda b: b.start_s)
 
 
@@ -235,5 +260,4 @@ class StepLog:
     def breakdown(self, request_id: str) -> list[TokenBreakdown]:
         """`breakdown` of `request_id` over every record held."""
         attention = [step for ring in self._attention.values() for step in ring]
-        ffn = [step for ring in self._ffn.values() for step in ring]
-        return breakdown(request_id, attention, ffn)
+        return breakdown(request_id, attention, self._ffn)

@@ -1,76 +1,71 @@
 """Expert load balancing across the FFN pool while serving (EPLB), through the real
 application: a tiny Qwen3-MoE whose routers send most rows to two experts per layer,
-both in EP rank 0's contiguous block (`build_tiny(skew=...)`), served 1A:2F with EP2.
+both in EP rank 0's contiguous block (`build_tiny(skew=...)`), served 1A:2F with EP2
+(up to 3 FFN ranks), under four concurrent greedy streams; every request must finish
+with exactly plain vLLM's tokens and no error. In this order, on one app:
 
-Under four concurrent greedy streams, `POST /afd/eplb` moves the experts (hot ones
-replicated: `num_redundant_experts` 2) while the streams run; every request finishes
-with exactly plain vLLM's tokens (before, during and after the switch), and the
-balancedness in `/afd/status` rises from the skewed placement's to near 1, measured on
-the routed rows of the steps served after the switch. The policy's own trigger is
-tested without Ray (`tests/ffn/test_eplb_control.py`).
+1. an FFN rank is SIGKILLed while the ranks prepare a rebalance's layout: the
+   rebalance fails at once (409), the recovery re-forms the layout from the survivor
+   and Serve's replacement (the contiguous blocks: EPLB was not in use yet), every
+   rank serves the same epoch, and no request is lost;
+2. `POST /afd/eplb` moves the experts (hot ones replicated: `num_redundant_experts`
+   2) while the streams run, and the balancedness in `/afd/status` rises from the
+   skewed placement's to near 1, measured on the routed rows of the steps served
+   after the switch;
+3. resized to 3 FFN ranks, the new layout keeps the placement policy (the policy's
+   placement for 3 ranks, not the contiguous blocks); `POST /afd/eplb` during the
+   resize answers 409 and changes nothing.
+
+The policy's own trigger and the placement of new layouts are tested without Ray
+(`tests/eplb/`).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
-from plain_engine import plain_llm
-from ray import serve
+from chaos_faults import PROMPTS, WHOLE_WITHIN_S, _pids, _status, _whole, app_args, deployed, greedy_reference
 
 from afd_ray.models.tiny import build_tiny
-from afd_ray.serve.app import build_app
 
-NAME = "eplb"
-PREFIX = f"/{NAME}"
-PROMPTS = ["The quick brown fox", "def main():", "Hello, my name is", "import os"]
 MAX_TOKENS = 16
+"""Tokens per request (the reference has more: greedy, so its first 16 are these)."""
 STREAMS = 4
 SKEW = 3.0
 """Router skew of the checkpoint: contiguous EP2 balancedness about 0.5 per layer."""
 WINDOW = 48
 """`ffn.eplb.window_size`: FFN steps of load in each measurement."""
 ADMIN_KEY = "eplb-admin-key"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]]]:
-    path = Path(build_tiny("qwen3_moe", tmp_path_factory.mktemp("eplb") / "qwen3_moe", skew=SKEW))
-    from vllm import SamplingParams
-
-    with plain_llm(str(path), max_model_len=512, kv_cache_memory_bytes=1 << 28) as llm:
-        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-        tokens = [list(out.outputs[0].token_ids) for out in llm.generate(PROMPTS, params, use_tqdm=False)]
-    return path, tokens
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(build_tiny("qwen3_moe", tmp_path_factory.mktemp("eplb") / "qwen3_moe", skew=SKEW))
 
 
 @pytest.fixture(scope="module")
-def http(serve_url: str, checkpoint: tuple[Path, list[list[int]]]) -> Iterator[httpx.Client]:
-    args = {
-        "model": {"source": str(checkpoint[0]), "served_name": "tiny", "max_model_len": 512},
-        "ingress": {"admin_key_env": "AFD_TEST_EPLB_ADMIN_KEY"},
-        "attention": {"num_ranks": 1, "kv_cache_gib": 0.25, "max_num_seqs": 8, "bundle_resources": 0.5},
-        "ffn": {
-            "num_ranks": 2,
-            "min_ranks": 2,
-            "bundle_resources": 0.5,
-            "eplb": {"window_size": WINDOW, "num_redundant_experts": 2},
-        },
-    }
+def reference(checkpoint: str) -> list[list[int]]:
+    """Plain vLLM's greedy ids of each prompt, computed before the app starts."""
+    return [tokens[:MAX_TOKENS] for tokens in greedy_reference(checkpoint)]
+
+
+@pytest.fixture(scope="module")
+def http(serve_url: str, checkpoint: str, reference: list[list[int]]) -> Iterator[httpx.Client]:
+    ffn = {"num_ranks": 2, "min_ranks": 2, "max_ranks": 3, "eplb": {"window_size": WINDOW, "num_redundant_experts": 2}}
+    args = app_args(checkpoint, 1, ffn) | {"ingress": {"admin_key_env": "AFD_TEST_EPLB_ADMIN_KEY"}}
     with pytest.MonkeyPatch.context() as env:
         env.setenv("AFD_TEST_EPLB_ADMIN_KEY", ADMIN_KEY)
-        app = build_app(args)
-    serve.run(app, name=NAME, route_prefix=PREFIX)
-    try:
-        with httpx.Client(base_url=serve_url, timeout=300) as client:
+        with deployed(serve_url, args) as client:
+            client.timeout = httpx.Timeout(300)
             yield client
-    finally:
-        serve.delete(NAME)
 
 
 class _Load:
@@ -107,7 +102,7 @@ def _stream(http: httpx.Client, prompt: int) -> tuple[int, list[int], str | None
         "return_token_ids": True,
     }
     tokens: list[int] = []
-    with http.stream("POST", f"{PREFIX}/v1/completions", json=body) as response:
+    with http.stream("POST", "/v1/completions", json=body) as response:
         if response.status_code != 200:
             return prompt, tokens, f"{response.status_code}: {response.read().decode()}"
         for line in response.iter_lines():
@@ -124,22 +119,78 @@ def _eplb_after(http: httpx.Client, steps: int, within_s: float = 240) -> dict:
     """`/afd/status`'s `eplb` once every FFN rank has stepped `steps` steps (bounded)."""
     deadline = time.monotonic() + within_s
     while True:
-        status = http.get(f"{PREFIX}/afd/status").json()
+        status = http.get("/afd/status").json()
         if status["eplb"] is not None and all(m["steps"] >= steps for m in status["ffn"]):
             return status["eplb"] | {"steps": min(m["steps"] for m in status["ffn"])}
         assert time.monotonic() < deadline, f"the FFN ranks did not reach {steps} steps: {status['ffn']}"
         time.sleep(0.5)
 
 
-def test_a_rebalance_under_load_balances_the_ranks_and_keeps_greedy_tokens(
-    http: httpx.Client, checkpoint: tuple[Path, list[list[int]]]
+def _check(load: _Load, reference: list[list[int]]) -> None:
+    """Every request of `load` ended without error, with plain vLLM's tokens."""
+    errors = [(prompt, error) for prompt, _, error in load.results if error is not None]
+    assert errors == []
+    assert len(load.results) >= STREAMS
+    for prompt, tokens, _ in load.results:
+        assert tokens == reference[prompt], f"prompt {prompt} ({PROMPTS[prompt]!r})"
+
+
+def _consistent(http: httpx.Client, ranks: int) -> dict:
+    """`/afd/status` once the layout is whole (bounded), asserting that it is
+    consistent: `ranks` FFN ranks, all READY and serving the layout's epoch, EP ranks
+    0..ranks-1."""
+    deadline = time.monotonic() + WHOLE_WITHIN_S
+    while not _whole(http):
+        assert time.monotonic() < deadline, _status(http)
+        time.sleep(0.5)
+    status = http.get("/afd/status").json()
+    ffn = [m for m in status["ffn"] if m["state"] != "gone"]
+    assert sorted(m["ep_rank"] for m in ffn) == list(range(ranks)), ffn
+    assert len({m["epoch"] for m in ffn}) == 1 and all(m["state"] == "ready" for m in ffn), ffn
+    return status
+
+
+def test_an_ffn_rank_killed_during_a_rebalance_ends_whole_and_loses_no_request(
+    http: httpx.Client, reference: list[list[int]]
 ) -> None:
-    expected = checkpoint[1]
-    assert http.post(f"{PREFIX}/afd/eplb").status_code == 401  # admin key
     load = _Load(http)
     try:
         before = _eplb_after(http, WINDOW)
-        response = http.post(f"{PREFIX}/afd/eplb", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+        epoch, recoveries = (http.get("/afd/status").json()[key] for key in ("epoch", "recoveries"))
+        answer: list[httpx.Response] = []
+        post = threading.Thread(target=lambda: answer.append(http.post("/afd/eplb", headers=ADMIN)))
+        post.start()
+        deadline = time.monotonic() + 60
+        while (_status(http) or {"epoch": epoch})["epoch"] == epoch:  # until the rebalance's plan is out
+            assert time.monotonic() < deadline and post.is_alive(), answer
+            time.sleep(0.02)
+        os.kill(_pids("ffn")[-1], signal.SIGKILL)
+        killed = time.monotonic()
+        post.join(120)
+        while not ((now := _status(http)) and len(now["recoveries"]) > len(recoveries)):  # found dead
+            assert time.monotonic() - killed < WHOLE_WITHIN_S, now
+            time.sleep(0.2)
+        status = _consistent(http, 2)
+        whole_s = time.monotonic() - killed
+        time.sleep(2)  # the streams run on the re-formed layout
+    finally:
+        load.stop()
+    (response,) = answer
+    print(f"EPLB + FFN SIGKILL: before {before}\nanswer {response.text}\nwhole again after {whole_s:.1f} s")
+    assert response.status_code == 409 and "died" in response.json()["error"], response.text
+    assert status["recoveries"][-1]["error"] is None and status["recoveries"][-1]["whole_s"] is not None
+    assert status["eplb"]["placements"] == []  # EPLB was not in use: the contiguous blocks
+    _check(load, reference)
+
+
+def test_a_rebalance_under_load_balances_the_ranks_and_keeps_greedy_tokens(
+    http: httpx.Client, reference: list[list[int]]
+) -> None:
+    assert http.post("/afd/eplb").status_code == 401  # admin key
+    load = _Load(http)
+    try:
+        before = _eplb_after(http, WINDOW)
+        response = http.post("/afd/eplb", headers=ADMIN)
         assert response.status_code == 200, response.text
         event = response.json()
         after = _eplb_after(http, before["steps"] + WINDOW + 20)  # a window of steps after the switch
@@ -154,11 +205,58 @@ def test_a_rebalance_under_load_balances_the_ranks_and_keeps_greedy_tokens(
     assert len(after["placements"]) == 2 and after["num_redundant_experts"] == 2
     slowest = [max(s["rank_rows"]) / sum(s["rank_rows"]) for s in (before, after)]
     assert slowest[0] > 0.62 and slowest[1] < 0.56, slowest
-    errors = [(prompt, error) for prompt, _, error in load.results if error is not None]
-    assert errors == []
-    assert len(load.results) >= 2 * STREAMS
-    for prompt, tokens, _ in load.results:
-        assert tokens == expected[prompt], f"prompt {prompt} ({PROMPTS[prompt]!r})"
-    status = http.get(f"{PREFIX}/afd/status").json()
-    assert [r["reason"] for r in status["eplb"]["rebalances"]] == ["manual"]
+    _check(load, reference)
+    status = http.get("/afd/status").json()
+    assert status["eplb"]["rebalances"][-1]["epoch"] == event["epoch"]
     assert all(m["state"] == "ready" and m["epoch"] == event["epoch"] for m in status["ffn"])
+    # the trace of a request shows both EP ranks' compute of each of its steps (`FFNStep.index` joins them)
+    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    done = http.post("/v1/completions", json=body).json()
+    time.sleep(1)  # the ranks' step records reach the coordinator with their reports (every 0.2 s)
+    steps = http.get(f"/afd/trace/{done['id']}").json()["steps"]
+    ranks = sorted(str(m["rank"]) for m in status["ffn"])
+    print(
+        "FFN compute per rank of each step (ms):",
+        [{r: round(1e3 * t, 2) for r, t in s["ffn_rank_compute_s"].items()} for s in steps],
+    )
+    assert len(steps) >= MAX_TOKENS - 2 and all(sorted(s["ffn_rank_compute_s"]) == ranks for s in steps), steps
+
+
+def test_a_resize_keeps_the_placement_policy_and_refuses_a_rebalance_meanwhile(
+    http: httpx.Client, reference: list[list[int]]
+) -> None:
+    """1A:2F -> 1A:3F after the rebalance: the 3-rank layout takes the policy's
+    placement for 3 ranks (8 experts + 1 redundant: 3 slots a rank; the contiguous
+    blocks, 3, 3, 2, would not even split evenly); a rebalance asked for meanwhile
+    answers 409 and the resize ends whole."""
+    rebalances = len(http.get("/afd/status").json()["eplb"]["rebalances"])
+    load = _Load(http)
+    try:
+        answer: list[httpx.Response] = []
+        scale = threading.Thread(
+            target=lambda: answer.append(
+                http.post("/afd/scale", json={"attention": 1, "ffn": 3}, headers=ADMIN, timeout=600)
+            )
+        )
+        scale.start()
+        deadline = time.monotonic() + 60
+        while (_status(http) or {}).get("target_ffn") != 3:  # the resize runs
+            assert time.monotonic() < deadline, answer
+            time.sleep(0.1)
+        during = http.post("/afd/eplb", headers=ADMIN)
+        scale.join(600)
+        status = _consistent(http, 3)
+        time.sleep(2)  # the streams run on the new layout
+    finally:
+        load.stop()
+    (resized,) = answer
+    print(f"EPLB during a resize: {during.text}\nresize {resized.text}\nafter {status['eplb']}")
+    assert during.status_code == 409 and "layout is changing" in during.json()["error"], during.text
+    assert resized.status_code == 200 and resized.json()["error"] is None, resized.text
+    eplb = status["eplb"]
+    assert len(eplb["rebalances"]) == rebalances + 1 and eplb["num_redundant_experts"] == 1, eplb
+    assert len(eplb["placements"]) == 2 and all(
+        len(slots) == 3 and all(len(rank) == 3 for rank in slots) for slots in eplb["placements"]
+    ), eplb["placements"]
+    assert min(eplb["balancedness"]) > 0.75, eplb  # on the window's load: mostly steps of the old layout
+    _check(load, reference)

@@ -5,6 +5,7 @@ and the plans they serve), and the `ffn.eplb` config."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Collection
 
 import pytest
 from pydantic import ValidationError
@@ -12,7 +13,7 @@ from pydantic import ValidationError
 from afd_ray.config import AFDConfig
 from afd_ray.connector.header import FFNAddress
 from afd_ray.control.eplb import EPLBController
-from afd_ray.control.membership import FFNDirective
+from afd_ray.control.membership import FFNDirective, FFNMember, MemberState
 from afd_ray.control.registry import Plan, Registry
 from afd_ray.control.resize import Resizer
 from afd_ray.eplb.slots import layer_placements
@@ -22,7 +23,7 @@ SKEWED = [[[60, 50, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 30, 40]], [[40, 40, 0,
 0-1 in layer 0 and 6-7 in layer 1, each a block of one rank."""
 
 
-def _controller(config: dict) -> tuple[Registry, EPLBController]:
+def _controller(config: dict, dead: Callable[[], Collection[int]] = tuple) -> tuple[Registry, EPLBController]:
     cfg = AFDConfig.model_validate({"ffn": {"num_ranks": 2, "min_ranks": 2, "eplb": config}})
     registry = Registry("gloo", cfg.connector.timeout_s, 2)
     for rank in range(2):
@@ -31,7 +32,7 @@ def _controller(config: dict) -> tuple[Registry, EPLBController]:
     for rank in registry.layout:
         registry.update_ffn(rank, epoch=0)
     resizer = Resizer(registry, "afd", cfg.attention, cfg.ffn, cfg.autoscale)
-    return registry, EPLBController(cfg.ffn.eplb, registry, resizer, metrics=False)
+    return registry, EPLBController(cfg.ffn.eplb, registry, resizer, metrics=False, dead=dead)
 
 
 async def _serve_plans(registry: Registry, eplb: EPLBController, seen: list[FFNDirective]) -> None:
@@ -155,3 +156,110 @@ def test_the_policy_rebalances_every_step_interval_under_the_bound(monkeypatch: 
     assert asyncio.run(run({"enabled": True, "step_interval": 10}, 9)) == []  # not yet due
     assert asyncio.run(run({"enabled": True, "step_interval": 10, "balancedness_bound": 0.5}, 10)) == []
     assert asyncio.run(run({"enabled": False, "step_interval": 10}, 10)) == []
+
+
+def _plan(registry: Registry, ranks: tuple[int, ...]) -> Plan:
+    """A resize or recovery publishes the plan of a new layout over `ranks`."""
+    for rank in set(ranks) - set(registry.ffn):
+        assert registry.add_ffn(FFNAddress("127.0.0.1", 1 + rank, 2), replica=f"ffn#{rank}") == rank
+    registry.plan = Plan(registry.next_epoch(), ranks, None)
+    return registry.plan
+
+
+def test_a_resize_or_recovery_keeps_the_placement_policy() -> None:
+    """A rebalanced pool resized to 3 ranks: the new layout's placement is the policy's
+    for 3 ranks (`redundant_for`: 8 + 1 slots), the same for every rank of it and for a
+    rank that joins later; a recovery at the serving size keeps the serving placement
+    (balanced already: the replacement loads the lost rank's slots)."""
+    registry, eplb = _controller({"num_redundant_experts": 2})
+    for rank, load in enumerate(SKEWED):
+        eplb.report(rank, load)
+
+    async def rebalance():
+        ranks = asyncio.create_task(_serve_plans(registry, eplb, []))
+        try:
+            return await asyncio.wait_for(eplb.rebalance("manual"), 10)
+        finally:
+            ranks.cancel()
+
+    assert asyncio.run(rebalance()).epoch is not None
+    serving = eplb.placed(registry.layout_epoch)
+    plan = _plan(registry, (0, 1, 2))
+    given = [eplb.assign(registry.ep_assignment(rank, plan.ranks, plan.epoch)).placements for rank in plan.ranks]
+    assert given[0] is not None and given.count(given[0]) == 3
+    assert all(len(slots) == 3 and {len(rank) for rank in slots} == {3} for slots in given[0])
+    assert eplb.directive(registry.ffn_directive(0, registry.layout_epoch)).plan.assignment.placements == given[0]
+    for rank in range(2):  # the load changes once the plan's placement is fixed: it stays
+        eplb.report(rank, [[1] * 8, [1] * 8])
+    assert eplb.assign(registry.ep_assignment(2, plan.ranks, plan.epoch)).placements == given[0]
+    registry.plan = None
+    for rank, load in enumerate(SKEWED):
+        eplb.report(rank, load)
+    recovery = _plan(registry, (0, 3))  # rank 1 lost, rank 3 replaces it at EP rank 1
+    assert eplb.assign(registry.ep_assignment(3, recovery.ranks, recovery.epoch)).placements == serving
+
+
+def test_without_eplb_in_use_a_new_layout_stays_contiguous() -> None:
+    """`enabled` false and no rebalance yet: a resize keeps the contiguous blocks
+    (the deployment never asked for EPLB); `enabled`: the policy places it."""
+    for config, contiguous in (({}, True), ({"enabled": True}, False)):
+        registry, eplb = _controller(config)
+        for rank, load in enumerate(SKEWED):
+            eplb.report(rank, load)
+        plan = _plan(registry, (0, 1, 2, 3))
+        placements = eplb.assign(registry.ep_assignment(3, plan.ranks, plan.epoch)).placements
+        assert (placements is None) is contiguous, placements
+    registry, eplb = _controller({"enabled": True})  # no load yet: contiguous
+    plan = _plan(registry, (0, 1, 2, 3))
+    assert eplb.assign(registry.ep_assignment(3, plan.ranks, plan.epoch)).placements is None
+
+
+def test_a_rank_found_dead_ends_the_rebalance_at_once() -> None:
+    """An FFN rank of the layout dies while the ranks prepare the rebalance's layout:
+    the rebalance fails within about `WATCH_PERIOD_S` (not `resize_timeout_s`), the plan
+    is dropped and the layout lock free, so the recovery runs at once."""
+    dead: set[int] = set()
+    registry, eplb = _controller({}, lambda: dead)
+    for rank, load in enumerate(SKEWED):
+        eplb.report(rank, load)
+
+    async def run():
+        rebalance = asyncio.create_task(eplb.rebalance("manual"))
+        await registry.wait(lambda: registry.plan is not None, 5)
+        registry.update_ffn(0, epoch=registry.plan.epoch)  # rank 0 prepared it; rank 1 dies first
+        dead.add(1)
+        return await asyncio.wait_for(rebalance, 5)
+
+    event = asyncio.run(run())
+    assert event.epoch is None and "FFN ranks [1] died" in event.error, event
+    assert registry.plan is None and registry.layout_epoch == 0
+    assert eplb.status().placements == []  # the serving layout is unchanged
+
+
+def test_a_restarted_coordinator_recovers_the_placement_from_the_rejoining_ranks() -> None:
+    """The layout of epoch 4 serves a rebalanced placement when the coordinator
+    restarts: the ranks rejoin with it (`Coordinator.rejoin_ffn`), so `/afd/status`
+    shows it, not the contiguous blocks, and a recovery at that size keeps it. Before,
+    the restarted coordinator showed the layout as contiguous until the next rebalance
+    (the ranks kept serving theirs), and a recovery then planned against the blocks."""
+    cfg = AFDConfig.model_validate({"ffn": {"num_ranks": 2, "min_ranks": 2, "eplb": {"num_redundant_experts": 2}}})
+    registry = Registry("gloo", cfg.connector.timeout_s, 2)
+    resizer = Resizer(registry, "afd", cfg.attention, cfg.ffn, cfg.autoscale)
+    eplb = EPLBController(cfg.ffn.eplb, registry, resizer, metrics=False)
+    serving = (((0, 1, 2, 3, 6), (0, 1, 4, 5, 7)), ((0, 1, 2, 6, 7), (2, 3, 4, 5, 6)))
+    for rank in range(2):
+        member = FFNMember(
+            rank=rank, address=FFNAddress("127.0.0.1", 1 + rank, 2), replica=f"ffn#{rank}", state=MemberState.READY
+        )
+        registry.rejoin_ffn(member.model_copy(update={"epoch": 4, "ep_rank": rank}), (0, 1), 4)
+        eplb.rejoined(4, [[list(r) for r in slots] for slots in serving])  # as Ray hands them over
+        eplb.report(rank, SKEWED[rank])
+    assert registry.layout == (0, 1) and registry.layout_epoch == 4
+    status = eplb.status()
+    assert status.placements == [[list(r) for r in slots] for slots in serving]
+    assert status.num_redundant_experts == 2
+    eplb.rejoined(4, None)  # a later rank cannot replace what the layout holds
+    assert eplb.placed(4) == serving
+    recovery = _plan(registry, (0, 2))  # rank 1 lost after the restart; rank 2 replaces it
+    placed = eplb.assign(registry.ep_assignment(2, recovery.ranks, recovery.epoch)).placements
+    assert placed is not None and placed[0] == serving[0], placed  # balanced: kept
