@@ -151,7 +151,7 @@ def format_table(result: BenchResult) -> str:
         f"{'family':<18}{'layout':<10}{'batch':>6}{'rep':>4}{'thr':>4}{'tok/s':>9}{'dec tok/s':>10}{'TTFT p50':>10}"
         f"{'TPOT p50':>9}{'TPOT p90':>9}{'ITL p50':>9}"
         f"{'ITL p99':>9}{'tok/step':>10}{'B/step':>10}{'formula':>10}{'FFN busy':>10}{'good r/s':>10}{'cost/1M':>9}"
-        f"  {'split a/w/f/i'}"
+        f"  {'c/ep ms':<12}{'split a/w/f/i'}"
     )
     lines = [header, "-" * len(header)]
     for run in result.runs:
@@ -160,8 +160,9 @@ def format_table(result: BenchResult) -> str:
             measured, formula = f"{run.measured_bytes_per_step:.0f}", f"{run.formula_bytes_per_step:.0f}"
             busy = "/".join(f"{r.busy_fraction:.2f}" for r in run.ffn)
             split = " ".join(_split(r) for r in run.ffn)
+            ranks = " ".join(f"{r.compute_ms_per_step:.2f}/{r.ep_ms_per_step:.2f}" for r in run.ffn)
         else:
-            tokens = measured = formula = busy = split = "-"
+            tokens = measured = formula = busy = split = ranks = "-"
         lines.append(
             f"{run.family:<18}{run.label:<10}{run.concurrency:>6}{run.repeat:>4}{run.threads:>4}"
             f"{run.output_tokens_per_s:>9.1f}{_number(run.decode_tokens_per_s):>10}{run.ttft.p50_ms:>10.1f}"
@@ -172,7 +173,7 @@ def format_table(result: BenchResult) -> str:
                 if run.slo
                 else f"{'-':>10}{'-':>9}"
             )
-            + f"  {split}"
+            + f"  {ranks:<12}{split}"
         )
     lines.append(
         "batch: concurrent streams; rep: repeat; tok/s: output tokens over the round's wall time; dec tok/s: "
@@ -180,7 +181,8 @@ def format_table(result: BenchResult) -> str:
         "ranks; formula = 2 x L x N_tokens x H x bytes; FFN busy per rank; good r/s: requests/s "
         f"meeting TTFT <= {result.config.slo_ttft_ms:g} ms and TPOT <= {result.config.slo_tpot_ms:g} ms; "
         f"cost/1M: per 1M output tokens at {result.config.price_per_device_hour:g} per device-hour; "
-        "split a/w/f/i per FFN rank: mean ms per timed step of attention/wire/FFN/idle on the FFN rank's device timeline"
+        "c/ep ms per FFN rank: its own compute and its EP collectives per step (the straggler has the most "
+        "compute); split a/w/f/i per FFN rank: mean ms per timed step of attention/wire/FFN/idle on the FFN rank's device timeline"
     )
     return "\n".join(lines)
 

@@ -201,6 +201,8 @@ def _ffn_rank(before: FFNMember, after: FFNMember, wall_s: float, layers: int, h
         f2a_bytes_per_step=(after.f2a_bytes - before.f2a_bytes) / steps,
         formula_bytes_per_step=2 * layers * (tokens / steps) * hidden * elem,
         busy_fraction=(after.busy_s - before.busy_s) / wall_s,
+        compute_ms_per_step=(after.compute_s - before.compute_s) * 1e3 / steps,
+        ep_ms_per_step=(after.ep_s - before.ep_s) * 1e3 / steps,
         split=_split(before, after),
     )
 

@@ -126,6 +126,13 @@ class FFNRankResult(_Record):
     busy_fraction: float
     """Time inside steps (receive + compute + send) over the load's wall time (host
     time: on CUDA the launches, not the device work)."""
+    compute_ms_per_step: float = 0.0
+    """The rank's own FFN compute per step, EP collectives left out, milliseconds
+    (`FFNMember.compute_s`; host time: on CUDA the launches). With EP, the rank with
+    the largest is the straggler the others wait for (issue 34)."""
+    ep_ms_per_step: float = 0.0
+    """EP collectives per step, milliseconds (`FFNMember.ep_s`): mostly the wait for
+    the slowest rank."""
     split: StepSplitResult | None = None
     """The step split of the load; None when no step of it was timed."""
 

@@ -74,6 +74,8 @@ def test_smoke_run_writes_a_complete_result(serve_url: str, tmp_path: Path, caps
     (rank,) = afd.ffn
     assert rank.steps > 0 and rank.mean_tokens_per_step > 0 and 0 < rank.busy_fraction
     assert rank.a2f_bytes_per_step == rank.f2a_bytes_per_step > 0
+    # one FFN rank: its own compute per step, no EP collectives to wait in
+    assert rank.compute_ms_per_step > 0 and rank.ep_ms_per_step == 0
     assert afd.measured_bytes_per_step == pytest.approx(afd.formula_bytes_per_step)
     split = rank.split  # every FFN step is timed on CPU, but the first after the warm-up's idle gap
     assert split is not None and 0 < split.timed_steps < rank.steps
@@ -81,4 +83,4 @@ def test_smoke_run_writes_a_complete_result(serve_url: str, tmp_path: Path, caps
     assert min(parts) >= 0 and split.ffn_ms > 0 and sum(parts) == pytest.approx(split.step_ms)
 
     table = capsys.readouterr().out
-    assert "plain" in table and "1A1F" in table and "split a/w/f/i" in table and "AFD/plain" in table
+    assert "plain" in table and "1A1F" in table and "split a/w/f/i" in table and "c/ep ms" in table and "AFD/plain" in table
