@@ -88,7 +88,7 @@ def test_a_result_without_slo_figures_loads_and_prints_but_is_not_plotted(tmp_pa
     result = BenchResult.model_validate_json(OLD_RESULT.read_text())
     assert result.runs and all(run.slo is None for run in result.runs)
     header, _, *rows, _ = format_table(result).splitlines()
-    slo_columns = slice(header.index("FFN busy") + len("FFN busy"), header.index("  split"))
+    slo_columns = slice(header.index("FFN busy") + len("FFN busy"), header.index("  c/ep ms"))
     assert len(rows) == len(result.runs) and all(row[slo_columns].split() == ["-", "-"] for row in rows)
     with pytest.raises(ValueError, match=r"runs\[\]\.slo"):
         plot_sweep(result, tmp_path / "old.png")
