@@ -83,4 +83,10 @@ def test_smoke_run_writes_a_complete_result(serve_url: str, tmp_path: Path, caps
     assert min(parts) >= 0 and split.ffn_ms > 0 and sum(parts) == pytest.approx(split.step_ms)
 
     table = capsys.readouterr().out
-    assert "plain" in table and "1A1F" in table and "split a/w/f/i" in table and "c/ep ms" in table and "AFD/plain" in table
+    assert (
+        "plain" in table
+        and "1A1F" in table
+        and "split a/w/f/i" in table
+        and "c/ep ms" in table
+        and "AFD/plain" in table
+    )
