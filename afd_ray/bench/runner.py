@@ -33,16 +33,15 @@ from ray import serve
 from tqdm import tqdm
 
 from afd_ray.bench.compare import compare
+from afd_ray.bench.ffn_ranks import ffn_rank_result
 from afd_ray.bench.config import BenchConfig, Topology
 from afd_ray.bench.load import LoadResult, run_load
 from afd_ray.bench.plain import build_plain_app
 from afd_ray.bench.schema import (
     BenchResult,
-    FFNRankResult,
     Latency,
     Machine,
     RunResult,
-    StepSplitResult,
     TransportResult,
 )
 from afd_ray.bench.slo import slo_result
@@ -56,7 +55,7 @@ from afd_ray.config import (
     ModelConfig,
     ObservabilityConfig,
 )
-from afd_ray.control.membership import AFDStatus, FFNMember
+from afd_ray.control.membership import AFDStatus
 from afd_ray.models.embedded import prepare_smollm2, prepare_smollm2_moe
 from afd_ray.models.shapes import SHAPES, build_shape
 from afd_ray.models.tiny import build_tiny
@@ -182,56 +181,9 @@ def _settled_status(http: httpx.Client, route: str) -> AFDStatus:
     raise TimeoutError(f"{route}/afd/status: FFN counters still changing after {_SETTLE_READS} reads")
 
 
-def _ffn_rank(before: FFNMember, after: FFNMember, wall_s: float, layers: int, hidden: int, elem: int) -> FFNRankResult:
-    """Counter deltas of one FFN rank over the load, next to the AFD traffic per step of docs/models.md.
-
-    Raises:
-        RuntimeError: the rank served no step during the load.
-    """
-    steps = after.steps - before.steps
-    if steps <= 0:
-        raise RuntimeError(f"FFN rank {after.rank} served no step during the load")
-    tokens = after.tokens - before.tokens
-    return FFNRankResult(
-        rank=after.rank,
-        steps=steps,
-        tokens=tokens,
-        mean_tokens_per_step=tokens / steps,
-        a2f_bytes_per_step=(after.a2f_bytes - before.a2f_bytes) / steps,
-        f2a_bytes_per_step=(after.f2a_bytes - before.f2a_bytes) / steps,
-        formula_bytes_per_step=2 * layers * (tokens / steps) * hidden * elem,
-        busy_fraction=(after.busy_s - before.busy_s) / wall_s,
-        compute_ms_per_step=(after.compute_s - before.compute_s) * 1e3 / steps,
-        ep_ms_per_step=(after.ep_s - before.ep_s) * 1e3 / steps,
-        split=_split(before, after),
-    )
-
-
 def app_name(family: str, topology: Topology) -> str:
     """The Serve application (and route prefix, with a leading `/`) of one run."""
     return f"bench-{family}-{topology.label}".lower().replace("_", "-")
-
-
-def _split(before: FFNMember, after: FFNMember) -> StepSplitResult | None:
-    """The step split of one FFN rank over the load (the growth of its `split`);
-    None when no step of the load was timed."""
-    d = after.split - before.split
-    if d.steps <= 0:
-        return None
-    total = d.attention_s + d.wire_s + d.ffn_s + d.idle_s
-    ms, share = 1e3 / d.steps, 1 / total if total > 0 else 0.0
-    return StepSplitResult(
-        timed_steps=d.steps,
-        step_ms=total * ms,
-        attention_ms=d.attention_s * ms,
-        wire_ms=d.wire_s * ms,
-        ffn_ms=d.ffn_s * ms,
-        idle_ms=d.idle_s * ms,
-        attention_fraction=d.attention_s * share,
-        wire_fraction=d.wire_s * share,
-        ffn_fraction=d.ffn_s * share,
-        idle_fraction=d.idle_s * share,
-    )
 
 
 def _prompts(cfg: BenchConfig, checkpoint: Path, streams: int) -> list[str | list[int]]:
@@ -286,7 +238,10 @@ def _run_one(
     elem = getattr(torch, app_cfg.model.dtype).itemsize
     runs = []
     for repeat, concurrency, result, before, after, load_average in measured:
-        ffn = [_ffn_rank(b, a, result.wall_s, layers, hidden, elem) for b, a in zip(before.ffn, after.ffn, strict=True)]
+        ffn = [
+            ffn_rank_result(b, a, result.wall_s, layers, hidden, elem)
+            for b, a in zip(before.ffn, after.ffn, strict=True)
+        ]
         requests = result.requests
         output_tokens = sum(r.output_tokens for r in requests)
         runs.append(

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from afd_ray.bench.cli import format_table
-from afd_ray.bench.runner import _SETTLE_POLL_S, _ffn_rank
+from afd_ray.bench.ffn_ranks import ffn_rank_result
+from afd_ray.bench.runner import _SETTLE_POLL_S
 from afd_ray.bench.schema import BenchResult
 from afd_ray.connector.header import FFNAddress
 from afd_ray.control.membership import FFNMember
@@ -32,7 +33,7 @@ def _member(steps: int, timed: int, attention: float, wire: float, ffn: float, i
 def test_the_split_of_the_load_is_the_delta_of_the_snapshots_per_timed_step() -> None:
     before = _member(100, 12, attention=1.0, wire=1.0, ffn=1.0, idle=50.0)  # warm-up, a long idle gap
     after = _member(180, 22, attention=1.04, wire=1.001, ffn=1.05, idle=50.005)
-    rank = _ffn_rank(before, after, wall_s=10.0, layers=2, hidden=8, elem=2)
+    rank = ffn_rank_result(before, after, wall_s=10.0, layers=2, hidden=8, elem=2)
     split = rank.split
     assert split is not None and split.timed_steps == 10
     assert split.attention_ms == pytest.approx(4.0)
@@ -45,12 +46,12 @@ def test_the_split_of_the_load_is_the_delta_of_the_snapshots_per_timed_step() ->
 
 def test_a_load_with_no_timed_step_has_no_split() -> None:
     before = _member(100, 12, 1.0, 1.0, 1.0, 1.0)
-    assert _ffn_rank(before, _member(103, 12, 1.0, 1.0, 1.0, 1.0), 1.0, 2, 8, 2).split is None
+    assert ffn_rank_result(before, _member(103, 12, 1.0, 1.0, 1.0, 1.0), 1.0, 2, 8, 2).split is None
 
 
 def test_the_table_shows_each_afd_runs_split() -> None:
     result = BenchResult.model_validate_json(RESULT.read_text())
-    rank = _ffn_rank(_member(0, 0, 0, 0, 0, 0), _member(10, 2, 0.008, 0.0002, 0.01, 0.003), 1.0, 2, 8, 2)
+    rank = ffn_rank_result(_member(0, 0, 0, 0, 0, 0), _member(10, 2, 0.008, 0.0002, 0.01, 0.003), 1.0, 2, 8, 2)
     afd = {"ffn": [rank], "measured_bytes_per_step": 1.0, "formula_bytes_per_step": 1.0}
     runs = [run.model_copy(update=afd) if run.label == "1A1F" else run for run in result.runs]
     table = format_table(result.model_copy(update={"runs": runs}))
