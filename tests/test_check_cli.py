@@ -308,6 +308,22 @@ def test_unknown_keys_of_the_serve_file_name_the_nearest(tmp_path: Path, capsys:
     ]
 
 
+def test_unknown_keys_of_the_config_tree_name_the_nearest(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by a fresh-user trial: a misspelt key of the app's own config tree got
+    pydantic's bare "Extra inputs are not permitted", where the Serve file's keys name
+    the nearest valid one."""
+    path = _app_file(tmp_path, ffn={"num_rank": 2, "eplb": {"window": 8}}, attention={"kv_cache_gb": 1})
+    status, _, err = _check(capsys, str(path), "--offline")
+    assert status == 1
+    for key, near in [
+        ("ffn.num_rank", "num_ranks"),
+        ("ffn.eplb.window", "window_size"),
+        ("attention.kv_cache_gb", "kv_cache_gib"),
+    ]:
+        line = f"{path}: {APP}.{key}: Extra inputs are not permitted; did you mean {near!r}?"
+        assert line in err.splitlines(), err
+
+
 def test_a_value_out_of_vllms_config_bounds_is_caught(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Found by a fresh-user trial: `block_size: -5` passed the check and failed only at
     engine start (vLLM's `CacheConfig` bounds it), leaving the app starting."""

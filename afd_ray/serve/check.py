@@ -23,8 +23,9 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
+from afd_ray.config.base import nearest_field_hint
 from afd_ray.config.tree import AFDConfig
 from afd_ray.layers.fp8 import FP8_CAPABILITY
 
@@ -104,11 +105,13 @@ def _split_key(prefix: str, message: str) -> ConfigError:
     return ConfigError(prefix or "<root>", message)
 
 
-def validation_errors(error: ValidationError, prefix: str) -> list[ConfigError]:
-    """One `ConfigError` per pydantic error, under `prefix`."""
+def validation_errors(error: ValidationError, prefix: str, model: type[BaseModel] | None = None) -> list[ConfigError]:
+    """One `ConfigError` per pydantic error, under `prefix`; unknown keys of `model` get the nearest name."""
     found = []
     for item in error.errors():
         message = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden" and model is not None:
+            message += nearest_field_hint(model, item["loc"])
         named = _LEADING_KEY.match(message)
         if item["loc"] and not (named and named[1].startswith(".".join(map(str, item["loc"])))):
             found.append(ConfigError(_path(prefix, item["loc"]), message))
@@ -167,7 +170,7 @@ def _validated(args: object, prefix: str) -> tuple[AFDConfig | None, list[Config
         try:
             return AFDConfig.model_validate(data), found, dropped
         except ValidationError as e:
-            errors = validation_errors(e, "")
+            errors = validation_errors(e, "", AFDConfig)
         for error in errors:
             if not _names_any(error, dropped):
                 parts = [] if error.path == "<root>" else error.path.split(".")
