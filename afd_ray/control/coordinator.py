@@ -326,9 +326,11 @@ class Coordinator:
         self._tasks.append(asyncio.create_task(self._autoscaler.run()))
         logger.info("autoscaling policy set; autoscaler started")
 
-    async def rebalance_experts(self) -> EPLBEvent:
-        """`POST /afd/eplb`: rebalance the expert placement now (`EPLBController.rebalance`)."""
-        return await self._eplb.rebalance("manual")
+    async def rebalance_experts(self, num_redundant_experts: int | None = None) -> EPLBEvent:
+        """`POST /afd/eplb`: rebalance the expert placement now with `num_redundant_experts`
+        redundant slots (None: `ffn.eplb`'s; `EPLBController.rebalance`, which raises
+        ValueError outside `[0, ffn.eplb.num_redundant_experts]`)."""
+        return await self._eplb.rebalance("manual", num_redundant_experts)
 
     async def resume_autoscaler(self) -> None:
         """Let the autoscaler change the pool sizes again after a manual resize."""

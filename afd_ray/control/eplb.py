@@ -39,7 +39,7 @@ from afd_ray.eplb.slots import Slots, default_slots, layer_balancedness, rank_ro
 from afd_ray.eplb.records import EPLBEvent, EPLBStatus
 from afd_ray.observability.metrics import MetricSet
 
-__all__ = ["EPLBController"]
+__all__ = ["EPLBController", "check_redundant"]
 
 logger = logging.getLogger("ray.serve")
 
@@ -160,20 +160,36 @@ class EPLBController:
             balancedness=layer_balancedness(load, placed),
             rank_rows=[sum(rows) for rows in zip(*per_rank, strict=True)],
             window_rows=sum(map(sum, load)),
-            num_redundant_experts=sum(map(len, placed[0])) - num_experts,
+            num_redundant_experts=max(sum(map(len, slots)) for slots in placed) - num_experts,
             placements=[[list(rank) for rank in slots] for slots in placed]
             if self.placed(self._registry.layout_epoch)
             else [],
             rebalances=self.events,
         )
 
-    async def rebalance(self, reason: str) -> EPLBEvent:
+    async def rebalance(self, reason: str, num_redundant_experts: int | None = None) -> EPLBEvent:
         """Compute the placement of the window's load and switch to it (module
-        docstring); layers that would gain less than `min_gain` keep theirs. Returns
-        the event (also kept in `events`): `epoch` None when nothing moved, `error`
-        set when it could not (no MoE load reported yet, no EPLB placement at this EP
-        size (`redundant_for`), a resize or recovery under way, a rank of the layout
-        found dead before the switch, the switch failed)."""
+        docstring); layers that would gain less than `min_gain` keep theirs.
+
+        Args:
+            reason: `manual` (POST /afd/eplb) or `policy`, as the event shows it.
+            num_redundant_experts: redundant slots per MoE layer of this placement, in
+                `[0, ffn.eplb.num_redundant_experts]` (the count the deployment is sized
+                for); None: the configured count. This EP size uses `redundant_for` of
+                it. A later resize, recovery or policy rebalance uses the configured one.
+
+        Returns:
+            The event (also kept in `events`): `epoch` None when nothing moved, `error`
+            set when it could not (no MoE load reported yet, no EPLB placement at this
+            EP size (`redundant_for`), a resize or recovery under way, a rank of the
+            layout found dead before the switch, the switch failed).
+
+        Raises:
+            ValueError: `num_redundant_experts` outside its range (names the field).
+        """
+        config = self._config
+        wanted = config.num_redundant_experts if num_redundant_experts is None else num_redundant_experts
+        check_redundant(wanted, config)
         started = time.time()
         resizer, window = self._resizer, self._window()
         if resizer.busy or resizer.layout_lock.locked() or self._registry.plan is not None:
@@ -184,12 +200,10 @@ class EPLBController:
             return self._failed(reason, started, "no expert load reported yet (a dense model, or no FFN step served)")
         load, placed = window
         ep_size, num_experts = len(placed[0]), len(load[0])
-        redundant = redundant_for(num_experts, ep_size, self._config.num_redundant_experts)
-        if redundant is None:
+        if redundant_for(num_experts, ep_size, wanted) is None:
             message = f"{num_experts} experts do not split evenly over {ep_size} FFN ranks: no EPLB placement"
             return self._failed(reason, started, message)
-        config = self._config
-        slots = layout_placement(load, ep_size, config.num_redundant_experts, config.min_gain, placed)
+        slots = layout_placement(load, ep_size, wanted, config.min_gain, placed)
         slots = slots or (default_slots(num_experts, ep_size),) * len(load)
         before = _mean(layer_balancedness(load, placed))
         moved = sum(new != old for new, old in zip(slots, placed, strict=True))
@@ -203,7 +217,7 @@ class EPLBController:
                 event = event.model_copy(update={"epoch": epoch, "pause_s": pause_s, "bytes_loaded": num_bytes})
             except Exception as exc:
                 logger.exception("EPLB rebalance failed")
-                event = event.model_copy(update={"error": f"{type(exc).__name__}: {exc}"})
+                event = event.model_copy(update={"error": str(exc) or type(exc).__name__, "layers_moved": 0})
         event = event.model_copy(
             update={
                 "balancedness_after": after if moved and event.error is None else before,
@@ -249,6 +263,18 @@ class EPLBController:
             logger.info("EPLB balancedness %.3f, per MoE layer %s", mean, [round(b, 3) for b in status.balancedness])
         if mean < config.balancedness_bound and not self._resizer.busy:
             await self.rebalance("policy")
+
+
+def check_redundant(num_redundant_experts: int, config: EPLBConfig) -> None:
+    """Raises ValueError, its message beginning with the field, when a rebalance's
+    `num_redundant_experts` is negative or over `ffn.eplb.num_redundant_experts`: the
+    deployment's memory (one expert's weights per replica and layer on its rank) was
+    planned for the configured count, not more."""
+    if not 0 <= num_redundant_experts <= config.num_redundant_experts:
+        raise ValueError(
+            f"num_redundant_experts: {num_redundant_experts} is outside [0, {config.num_redundant_experts}] "
+            "(ffn.eplb.num_redundant_experts, the redundant slots the deployment is sized for)"
+        )
 
 
 def _mean(values: Sequence[float]) -> float:

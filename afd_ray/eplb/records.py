@@ -19,11 +19,13 @@ class EPLBEvent(BaseModel):
     epoch: int | None = None
     """Layout epoch of the new placement (None: nothing moved)."""
     layers_moved: int = 0
-    """MoE layers whose placement changed."""
-    balancedness_before: float = 1.0
-    """Mean over the MoE layers of the balancedness of the window's load under the old placement."""
-    balancedness_after: float = 1.0
-    """The same under the new placement (on the same window's load)."""
+    """MoE layers whose placement changed (0 when the switch failed: none did)."""
+    balancedness_before: float | None = None
+    """Mean over the MoE layers of the balancedness of the window's load under the old
+    placement; None for a refused rebalance (no load read)."""
+    balancedness_after: float | None = None
+    """The same under the placement that serves afterwards (on the same window's load:
+    the old one when nothing moved or the switch failed); None for a refused rebalance."""
     duration_s: float = 0.0
     pause_s: float = 0.0
     """Longest step-boundary pause of an FFN rank during the switch, seconds."""
@@ -47,7 +49,8 @@ class EPLBStatus(BaseModel):
     window_rows: int
     """Routed rows in the window, all layers and ranks."""
     num_redundant_experts: int = 0
-    """Redundant slots per layer of the placement in use."""
+    """Redundant slots per layer of the placement in use (the most of any layer: a layer
+    that would gain less than `min_gain` keeps its earlier placement)."""
     placements: list[list[list[int]]] = []
     """`[layer][EP rank]`: the logical expert of each slot (empty: contiguous blocks)."""
     rebalances: list[EPLBEvent] = []

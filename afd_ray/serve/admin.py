@@ -16,22 +16,57 @@ from typing import Any
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray.serve.handle import DeploymentHandle
 
 from afd_ray.autoscale.loader import PolicyError, parse_policy
 from afd_ray.config import AttentionPoolConfig, FFNPoolConfig
+from afd_ray.config.eplb import EPLBConfig
+from afd_ray.control.eplb import check_redundant
 from afd_ray.control.membership import AdmissionState, ScaleRequest
 from afd_ray.control.placement import check_sizes
 from afd_ray.serve.access import AccessKeys, Role
 from afd_ray.serve.errors import api_error, error_response, invalid, unauthorized, unavailable
 
-__all__ = ["Admin", "Ask"]
+__all__ = ["Admin", "Ask", "RebalanceRequest", "rebalance_request"]
 
 Ask = Callable[..., Awaitable[Any]]
 """`ask(method, *args, within_s=...)`: `method.remote(*args)`'s result from the
 coordinator within a bound; raises TimeoutError when it is down or did not answer
 (`Ingress._ask`)."""
+
+
+class RebalanceRequest(BaseModel):
+    """Body of `POST /afd/eplb` (optional). Strict: a JSON integer only (`"2"`, `2.0` or
+    `true` are errors naming the field, never converted)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    num_redundant_experts: int | None = Field(None, ge=0)
+    """Redundant slots per MoE layer of this rebalance's placement, at most
+    `ffn.eplb.num_redundant_experts` (`check_redundant`); None: that configured count."""
+
+
+def rebalance_request(body: bytes, eplb: EPLBConfig) -> int | None:
+    """The `num_redundant_experts` a `POST /afd/eplb` body asks for (None: an empty
+    body, `{}` or a null count: `eplb`'s own).
+
+    Raises:
+        RequestValidationError: not a JSON object of `RebalanceRequest`, or a count over
+            `eplb.num_redundant_experts` (a 400 naming the field: `_invalid_body`).
+    """
+    if not body.strip():
+        return None
+    try:
+        asked = RebalanceRequest.model_validate_json(body).num_redundant_experts
+    except ValidationError as exc:
+        raise RequestValidationError([error | {"loc": ("body", *error["loc"])} for error in exc.errors()]) from None
+    if asked is not None:
+        try:
+            check_redundant(asked, eplb)
+        except ValueError as exc:
+            raise invalid("num_redundant_experts", str(exc).partition(": ")[2], "less_than_equal", asked) from None
+    return asked
 
 
 class Admin:
@@ -127,12 +162,15 @@ class Admin:
         (`afd_ray.control.eplb`) and answer once it serves, with the `EPLBEvent`: 200
         (`epoch` null: no layer would gain `ffn.eplb.min_gain`), or 409 with the event's
         `error` (no expert load yet, a resize under way, the switch failed); 503 with
-        `Retry-After` if the coordinator does not answer within `scale_s`."""
+        `Retry-After` if the coordinator does not answer within `scale_s`. The body is
+        optional: `{"num_redundant_experts": R}` (`RebalanceRequest`); a bad one is a
+        400 naming the field (`rebalance_request`)."""
         denied = self._access.denied(request, Role.ADMIN)
         if denied is not None:
             return unauthorized(denied)
+        redundant = rebalance_request(await request.body(), self._pools[1].eplb)
         try:
-            event = await self._ask(self._coordinator.rebalance_experts, within_s=self._scale_s)
+            event = await self._ask(self._coordinator.rebalance_experts, redundant, within_s=self._scale_s)
         except TimeoutError as exc:
             return unavailable(f"{exc}; see GET /afd/status `eplb.rebalances`", self._retry_after_s)
         status = HTTPStatus.OK if event.error is None else HTTPStatus.CONFLICT

@@ -95,6 +95,41 @@ def test_a_rebalance_switches_the_layout_to_the_balanced_placement(redundant: in
     assert registry.layout_epoch == event.epoch
 
 
+def test_a_rebalance_may_ask_for_fewer_redundant_experts_than_configured() -> None:
+    """`POST /afd/eplb {"num_redundant_experts": R}`: R in [0, configured] places that
+    many replicas this time (0 first, then the configured 2 from that placement); more
+    than configured, or fewer than 0, is refused before anything starts."""
+    registry, eplb = _controller({"num_redundant_experts": 2})
+    for rank, load in enumerate(SKEWED):
+        eplb.report(rank, load)
+    for bad in (3, -1):
+        with pytest.raises(ValueError, match=r"^num_redundant_experts: .* outside \[0, 2\]"):
+            asyncio.run(eplb.rebalance("manual", bad))
+    assert eplb.events == []
+
+    shown = []
+
+    async def run():
+        ranks = asyncio.create_task(_serve_plans(registry, eplb, []))
+        try:
+            for redundant in (0, 2):
+                event = await asyncio.wait_for(eplb.rebalance("manual", redundant), 10)
+                assert event.error is None and event.epoch == registry.layout_epoch, event
+                assert event.layers_moved == 2, event
+                status = eplb.status()
+                assert status.num_redundant_experts == redundant and all(
+                    len(rank) == (8 + redundant) // 2 for slots in status.placements for rank in slots
+                ), status.placements
+                shown.append((event.balancedness_before, event.balancedness_after))
+        finally:
+            ranks.cancel()
+
+    asyncio.run(run())
+    # skewed blocks -> no replica -> 2 replicas: each step raises the balancedness
+    (before, middle), (again, after) = shown
+    assert before < 0.52 < middle < after and middle == pytest.approx(again), shown
+
+
 def test_a_rebalance_without_load_or_during_a_resize_is_refused() -> None:
     registry, eplb = _controller({})
     assert "no expert load" in asyncio.run(eplb.rebalance("manual")).error
@@ -108,6 +143,8 @@ def test_a_rebalance_without_load_or_during_a_resize_is_refused() -> None:
     event = asyncio.run(eplb.rebalance("manual"))
     assert "layout is changing" in event.error and event.epoch is None
     assert [e.error is not None for e in eplb.events] == [True, True, True]
+    # a refusal reads no load: no balancedness (it said 1.0 before and after)
+    assert all(e.balancedness_before is None is e.balancedness_after for e in eplb.events)
 
 
 @pytest.mark.parametrize(
@@ -232,6 +269,9 @@ def test_a_rank_found_dead_ends_the_rebalance_at_once() -> None:
 
     event = asyncio.run(run())
     assert event.epoch is None and "FFN ranks [1] died" in event.error, event
+    # found by a new-user trial: the failed switch said 12 layers moved, and its error began "RuntimeError: "
+    assert event.layers_moved == 0 and event.balancedness_after == event.balancedness_before, event
+    assert event.error.startswith("FFN ranks [1] died"), event
     assert registry.plan is None and registry.layout_epoch == 0
     assert eplb.status().placements == []  # the serving layout is unchanged
 
