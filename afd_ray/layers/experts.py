@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-__all__ = ["ExpertSlots", "Experts"]
+__all__ = ["ExpertSlots", "Experts", "SlotTables"]
 
 _PROJ = ("gate_proj", "up_proj", "down_proj")
 
@@ -47,6 +47,24 @@ class ExpertSlots(NamedTuple):
         return table
 
 
+class SlotTables:
+    """`ExpertSlots.table()` `[E, R]` and `replicas` `[E]` as int64 tensors on the
+    device of the rows, made at the first forward there (before any CUDA graph capture;
+    the module holding them may be built on meta) and reused after."""
+
+    def __init__(self, slots: ExpertSlots) -> None:
+        self._slots = slots
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(table [E, R], replicas [E])` on `device`."""
+        if self._tables is None or self._tables[0].device != device:
+            table = torch.tensor(self._slots.table(), dtype=torch.int64, device=device)
+            replicas = torch.tensor(self._slots.replicas, dtype=torch.int64, device=device)
+            self._tables = (table, replicas)
+        return self._tables
+
+
 class Experts(nn.Module):
     """Gated-MLP experts in the physical slots `slots` gives this rank, stacked.
 
@@ -76,16 +94,7 @@ class Experts(nn.Module):
         down_shape = (len(self.owned), hidden_size, intermediate_size)
         self.down = nn.Parameter(torch.empty(down_shape, dtype=dtype), requires_grad=False)
         self.act_fn = ACT2FN[hidden_act]
-        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
-        """`ExpertSlots.table()` `[E, R]` and `replicas` `[E]` (int64) on the weights'
-        device, made at the first forward there (before any CUDA graph capture)."""
-
-    def _slot_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._tables is None or self._tables[0].device != device:
-            table = torch.tensor(self.slots.table(), dtype=torch.int64, device=device)  # [E, R]
-            replicas = torch.tensor(self.slots.replicas, dtype=torch.int64, device=device)  # [E]
-            self._tables = (table, replicas)
-        return self._tables
+        self._tables = SlotTables(slots)
 
     def forward(self, rows: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Weighted expert outputs of `rows`; rows this rank does not compute give zeros.
@@ -113,7 +122,7 @@ class Experts(nn.Module):
         `offs` to the host (correct, not capturable).
         """
         num_local = len(self.owned)
-        table, replicas = self._slot_tables(expert_ids.device)  # [E, R], [E]
+        table, replicas = self._tables.on(expert_ids.device)  # [E, R], [E]
         if table.shape[1] == 1:  # no replicas: one slot per expert
             local = table[:, 0][expert_ids]  # [N] local slot, num_local: computed elsewhere
         else:

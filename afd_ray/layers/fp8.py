@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from afd_ray.config.model import Fp8Checkpoint
-from afd_ray.layers.experts import ExpertSlots, Experts
+from afd_ray.layers.experts import ExpertSlots, Experts, SlotTables
 
 __all__ = ["FP8_CAPABILITY", "FP8_DTYPE", "Fp8Experts", "check_fp8_device", "dequantize_fp8", "quantize_experts"]
 
@@ -128,9 +128,7 @@ class Fp8Experts(nn.Module):
         if checkpoint is not None and checkpoint.block_shape is None:
             shard = torch.empty((len(self.owned), 2), dtype=torch.float32, device=down.device)
             self.shard_scale = nn.Parameter(shard, requires_grad=False)
-        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
-        """`ExpertSlots.table()` `[E, R]` and `replicas` `[E]` (int64) on the weights'
-        device, made at the first `forward` there (the module may be built on meta)."""
+        self._tables = SlotTables(slots)
 
     @classmethod
     def empty(
@@ -209,20 +207,13 @@ class Fp8Experts(nn.Module):
             ValueError: `rows` is not on a CUDA device.
         """
         num_slots = len(self.owned)
-        table, replicas = self._slot_tables(expert_ids.device)
+        table, replicas = self._tables.on(expert_ids.device)
         row = torch.arange(expert_ids.shape[0], device=expert_ids.device)  # [N]
         local = table[expert_ids, row % replicas[expert_ids]]  # [N] local slot, S: elsewhere
         here = local < num_slots  # [N]
         slot = torch.where(here, local, row % num_slots)  # [N] in [0, S)
         weights = torch.where(here, weights.to(torch.float32), 0.0)  # [N]
         return self._kernel(rows, slot.unsqueeze(1), weights.unsqueeze(1))
-
-    def _slot_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._tables is None or self._tables[0].device != device:
-            table = torch.tensor(self.slots.table(), dtype=torch.int64, device=device)  # [E, R]
-            replicas = torch.tensor(self.slots.replicas, dtype=torch.int64, device=device)  # [E]
-            self._tables = (table, replicas)
-        return self._tables
 
     def _kernel(self, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if not hidden.is_cuda:
