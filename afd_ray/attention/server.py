@@ -241,6 +241,16 @@ class AttentionServer:
         (count,) = await self._engine.collective_rpc("afd_graph_replays")
         return count
 
+    async def device_trace(self, start: bool) -> None:
+        """Start (`start`) or stop vLLM's engine profiler, set up by the engine argument
+        `profiler_config` (`afd_ray.observability.device_trace`); stopping writes its
+        trace unless it stopped itself after its `max_iterations`.
+
+        Raises:
+            RuntimeError: the engine has no profiler configured (from vLLM's worker).
+        """
+        await (self._engine.start_profile() if start else self._engine.stop_profile())
+
     async def check_health(self) -> None:
         """Serve's periodic health check.
 

@@ -79,6 +79,7 @@ _FLAG_TYPES: dict[str, dict[str, object]] = {
     "transport": {"choices": ("auto", "shm", "gloo", "cuda_ipc")},
     "transport_microbench": {"action": argparse.BooleanOptionalAction},
     "batch_window_us": {"type": int},
+    "device_trace_steps": {"type": int},
     "seed": {"type": int},
     "checkpoints": {"type": Path},
     "slo_ttft_ms": {"type": float},
@@ -311,7 +312,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         out.write_text(result.model_dump_json(indent=2) + "\n")
 
     with serve_endpoint(cfg, ray_address, serve_url) as url:
-        result = run_benchmark(cfg, url, commit=commit, partial=write)
+        traces = out.with_name(f"{out.stem}-traces") if cfg.device_trace_steps else None
+        result = run_benchmark(cfg, url, commit=commit, partial=write, trace_dir=traces)
     write(result)
     print(format_table(result))
     if result.same_batch:

@@ -248,6 +248,12 @@ class BenchConfig(BaseModel):
     (`afd_ray.bench.transport`) before the serving runs; CPU only (skipped on `cuda`:
     `python -m afd_ray.bench.cuda_ipc` measures the CUDA one)."""
 
+    device_trace_steps: int = Field(0, ge=0)
+    """Record a profiler trace of this many decode steps of every measured AFD round on
+    both its attention and FFN rank, merged onto one clock (`afd_ray.bench.device_trace`,
+    written beside the result JSON in `<out stem>-traces/`); traced rounds are slower
+    than untraced ones. 0: off."""
+
     seed: int = 0
     """Weight seed of the tiny checkpoints."""
 

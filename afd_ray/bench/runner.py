@@ -22,6 +22,7 @@ import random
 import sys
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from tqdm import tqdm
 from afd_ray.bench.compare import compare
 from afd_ray.bench.ffn_ranks import ffn_rank_result
 from afd_ray.bench.config import BenchConfig, Topology
+from afd_ray.bench.device_trace import device_trace, traced
 from afd_ray.bench.load import LoadResult, run_load
 from afd_ray.bench.plain import build_plain_app
 from afd_ray.bench.schema import (
@@ -200,12 +202,21 @@ def _prompts(cfg: BenchConfig, checkpoint: Path, streams: int) -> list[str | lis
 
 
 def _run_one(
-    cfg: BenchConfig, family: str, checkpoint: Path, topology: Topology, base_url: str, repeats: list[int]
+    cfg: BenchConfig,
+    family: str,
+    checkpoint: Path,
+    topology: Topology,
+    base_url: str,
+    repeats: list[int],
+    trace_dir: Path | None,
 ) -> list[RunResult]:
     """Deploy `topology`; for each of `repeats`, measure one load per `cfg.concurrency`
-    value; delete it."""
+    value (an AFD one traced into `trace_dir` with `cfg.device_trace_steps`); delete it."""
     app_cfg = _app_config(cfg, family, checkpoint, topology)
     name = app_name(family, topology)
+    tracing = trace_dir is not None and cfg.device_trace_steps > 0 and topology.ffn > 0
+    if tracing:
+        app_cfg = traced(app_cfg, trace_dir / name, cfg.device_trace_steps)
     route = f"/{name}"
     app = build_plain_app(app_cfg) if topology.ffn == 0 else build_app(app_cfg.model_dump())
     prompts = _prompts(cfg, checkpoint, max(cfg.concurrency))
@@ -226,7 +237,13 @@ def _run_one(
                 load(concurrency, 1, 0.0)  # warm-up (and prefix cache fill), not measured
                 before = _settled_status(http, route)
                 load_before = os.getloadavg()[0]
-                result = load(concurrency, cfg.requests_per_stream, cfg.min_round_s)
+                trace_name = f"r{repeat}-b{concurrency}"
+                with (
+                    device_trace(name, trace_dir / name, cfg.device_trace_steps, trace_name)
+                    if tracing
+                    else nullcontext()
+                ):
+                    result = load(concurrency, cfg.requests_per_stream, cfg.min_round_s)
                 load_after = os.getloadavg()[0]
                 after = _settled_status(http, route)
                 measured.append((repeat, concurrency, result, before, after, (load_before, load_after)))
@@ -303,12 +320,14 @@ def run_benchmark(
     progress: Callable[[str], None] = print,
     commit: str | None = None,
     partial: Callable[[BenchResult], None] | None = None,
+    trace_dir: Path | None = None,
 ) -> BenchResult:
     """Measure every (family, topology) of `cfg`, `cfg.repeats` times in
     counterbalanced order, on the Serve instance at `base_url`; `commit` is recorded
     (`BenchResult.commit`). `partial`, if given, gets the result so far after every
     deployment, without `same_batch` (the CLI writes it, so a run cut by a time limit
-    keeps its finished deployments' runs).
+    keeps its finished deployments' runs). With `cfg.device_trace_steps`, each measured
+    AFD round leaves a merged device trace in `trace_dir` (`afd_ray.bench.device_trace`).
 
     Needs a Ray connection (`ray.init`) to a cluster whose Serve HTTP proxy answers at
     `base_url`, with room for the largest topology's bundles
@@ -332,7 +351,7 @@ def run_benchmark(
             checkpoint = _checkpoint(cfg, family)
             for topology, repeats in deployments(cfg):
                 progress(f"afd_ray.bench: {family} {topology.label} repeats {repeats} of {cfg.repeats} ...")
-                for run in _run_one(cfg, family, checkpoint, topology, base_url, repeats):
+                for run in _run_one(cfg, family, checkpoint, topology, base_url, repeats, trace_dir):
                     progress(
                         f"afd_ray.bench: {family} {topology.label} repeat {run.repeat} batch {run.concurrency}: "
                         f"{run.output_tokens_per_s:.1f} output tok/s, {run.decode_tokens_per_s:.1f} decode "

@@ -30,6 +30,7 @@ from afd_ray.ffn.layout import Layout
 from afd_ray.ffn.model import FFNStack
 from afd_ray.ffn.step_former import FormedStep, StepFormer
 from afd_ray.ffn.ubatch import Ubatch
+from afd_ray.observability.device_trace import DeviceTrace
 from afd_ray.observability.meter import StepMeter
 from afd_ray.observability.stats import FFNStats
 from afd_ray.observability.steps import FFNStep, StepRing
@@ -111,6 +112,9 @@ class FFNRuntime:
         )
         """The layout served and its changes (thread-safe: `prepare_switch`, `drop_peers`, `take_pause`)."""
         self.former = StepFormer(channel, batch_window_s, poll_s, idle_poll_s)
+        self.trace = DeviceTrace(device)
+        """A profiler trace of the next steps, off until requested (`DeviceTrace.request`,
+        from any thread); the loop starts and stops it at its step boundaries."""
         self._dtype = dtype
         self._ubatches = ubatches
         self._stop = threading.Event()
@@ -171,9 +175,11 @@ class FFNRuntime:
                 group_stepped = layout.ep is not None and any(layout.ep.step_tokens)
                 active = bool(step.steps) or changed or prepared is not None or group_stepped
                 former.pace(active)
+                self.trace.tick(bool(step.steps) or group_stepped)
                 if not active:
                     self.meter.settle()  # a timed step's events completed meanwhile
         finally:
+            self.trace.close()
             self.channel.close()
             layout.close()
 
@@ -194,8 +200,13 @@ class FFNRuntime:
             self.layout.lose_ep(exc)
             return False, set()
 
-    @torch.inference_mode()
     def _run(self, step: FormedStep, first_layer: int) -> set[int]:
+        """`_run_step`, a span of the device trace while one is recorded (`DeviceTrace.step`)."""
+        with self.trace.step():
+            return self._run_step(step, first_layer)
+
+    @torch.inference_mode()
+    def _run_step(self, step: FormedStep, first_layer: int) -> set[int]:
         """Run the layers from `first_layer` for `step` and record it; returns the
         attention peers lost on the way. A lost peer's rows are zeroed and it gets
         nothing more, but the step runs to its end: with EP the other ranks wait for

@@ -21,6 +21,7 @@ import logging
 import threading
 from contextlib import suppress
 from datetime import timedelta
+from pathlib import Path
 
 import ray
 import torch
@@ -305,6 +306,26 @@ class FFNServer:
             with suppress(KeyError):  # removed by the loop meanwhile
                 transports[peer] = channel.transport_of(peer)
         return transports
+
+    async def device_trace(self, path: str, steps: int, delay: int) -> None:
+        """Record a profiler trace of this rank's `steps` FFN steps after the next `delay`
+        into `path` (Chrome trace JSON; `afd_ray.observability.device_trace`).
+
+        Raises:
+            ValueError: `steps` < 1 or `delay` < 0.
+        """
+        self._runtime.trace.request(Path(path), steps, delay)
+
+    async def device_trace_finish(self, wait_s: float) -> str | None:
+        """End the trace `device_trace` asked for (writing what it recorded) and return
+        its file once written, within `wait_s` seconds; None: nothing was recorded, or
+        the loop did not write it in time."""
+        trace = self._runtime.trace
+        trace.finish()
+        deadline = asyncio.get_running_loop().time() + wait_s
+        while trace.pending and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(_STOP_POLL_S / 2)
+        return None if trace.written is None else str(trace.written)
 
     async def check_health(self) -> None:
         """Serve's health check.

@@ -61,6 +61,7 @@ class StepTally:
         self.marks: list[Marker] | None = meter.timeline.begin(self.start)
         """Device-timeline stamps (arrived, computed, sent per layer and ubatch) of a timed
         step; None: the step is not timed."""
+        self._meter = meter
         self._expert_tokens = meter.expert_tokens
         self._window = meter.load_window[meter.window_slot].view(-1) if meter.load_window is not None else None
         """This step's `[L*E]` slot of the load window (None: a dense model)."""
@@ -88,10 +89,11 @@ class StepTally:
         """
         if ids is not None:
             ids = ids.flatten()  # [rows*k]
-            ones = torch.ones_like(ids)
-            self._expert_tokens.index_add_(0, ids, ones)
-            if self._window is not None and moe_layer is not None:
+            ones = self._meter.ones(ids.numel())
+            if self._window is not None and moe_layer is not None:  # `expert_tokens` from it at `end`
                 self._window.index_add_(0, ids + moe_layer * self._num_experts, ones)
+            else:
+                self._expert_tokens.index_add_(0, ids, ones)
         self._stamp()
         now = time.perf_counter()
         self.compute_s += now - self._at
@@ -126,8 +128,9 @@ class StepMeter:
         """The last `records` steps' timing records."""
         self.expert_tokens = torch.zeros(num_experts, dtype=torch.int64, device=device)
         """Rows this rank's tokens routed to each expert `[E]` int64, summed over MoE
-        layers and steps (expert load; updated in place, on the model's device; on CUDA
-        a read from another thread does not wait for the steps in flight)."""
+        layers and steps (expert load; updated in place at each step's end, from the load
+        window's slot, on the model's device; on CUDA a read from another thread does not
+        wait for the steps in flight)."""
         self.timeline = StepTimeline.of(device)
         """Device-timeline stamps of timed steps: `FFNStats.split`."""
         self.num_experts = num_experts
@@ -143,6 +146,14 @@ class StepMeter:
         self._window_steps = 0
         self._epoch_steps = (0, 0)
         """(layout epoch, steps recorded in it): `FFNStep.index`."""
+        self._ones = torch.ones(0, dtype=torch.int64, device=device)
+
+    def ones(self, count: int) -> torch.Tensor:
+        """`[count]` int64 ones on the model's device (a view of a kept tensor: the expert
+        counts add them without a fill launch per layer)."""
+        if self._ones.numel() < count:
+            self._ones = torch.ones(max(count, 2 * self._ones.numel()), dtype=torch.int64, device=self._ones.device)
+        return self._ones[:count]
 
     def begin(self, collective_s: float) -> StepTally:
         """Start a step now (it takes the next slot of the load window, cleared).
@@ -183,6 +194,8 @@ class StepMeter:
                 weights with `gate_on_attention`).
             collective_s: the EP group's `collective_s` now, seconds (0 without EP).
         """
+        if self.load_window is not None:  # this step's routed rows, summed over its MoE layers
+            self.expert_tokens += self.load_window[self.window_slot].sum(dim=0)
         self.timeline.end(tally.marks, time.perf_counter())
         end = time.perf_counter()
         ep_s = collective_s - tally.collective_s

@@ -65,26 +65,40 @@ step took ~0.12 s), shorter than the bench's pause between loads (>= 0.5 s,
 `afd_ray.bench.runner`'s settle poll)."""
 _PENDING = 64
 """Timed steps kept while their events are not complete (older ones are dropped)."""
+_POOL = 1024
+"""CUDA events kept for reuse (`Clock.release`)."""
 
 Marker = torch.cuda.Event | float
 """A point on the timeline: a recorded CUDA event, or a `time.perf_counter()` value."""
 
 
 class Clock:
-    """Stamps on the timeline of `device`'s current stream (CUDA) or of the host (CPU)."""
+    """Stamps on the timeline of `device`'s current stream (CUDA) or of the host (CPU).
+
+    CUDA events are reused (`release`): a timed step stamps 3 per layer, and creating
+    and destroying them is host time of the FFN loop, which on a GPU runs barely ahead
+    of its device (docs/cuda.md, "Where the idle goes"), so a timed step would
+    otherwise be slower than the steps it samples."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
+        self._free: list[torch.cuda.Event] = []
 
     def stamp(self) -> Marker:
         """A marker now: on CUDA an event recorded on `device`'s current stream (its
         time is when the stream reaches it), on CPU `time.perf_counter()`."""
         if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
+            event = self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
             event.record(torch.cuda.current_stream(self.device))
             return event
         return time.perf_counter()
+
+    def release(self, markers: list[Marker]) -> None:
+        """Markers read for the last time: their events may be recorded again (at most
+        `_POOL` are kept)."""
+        room = _POOL - len(self._free)
+        self._free += [m for m in markers[:room] if isinstance(m, torch.cuda.Event)]
 
     def done(self, marker: Marker) -> bool:
         """Whether `marker`'s time is known (CUDA: the event completed; never syncs)."""
@@ -202,6 +216,9 @@ class StepTimeline:
         while self._pending and clock.done(self._pending[0][1][-1]):
             start, marks = self._pending.popleft()
             at = [clock.elapsed_s(start, mark) for mark in marks]  # offsets from start
+            # the last mark may start the next timed step (every = 1); the others and
+            # this step's start are read for the last time
+            clock.release([start, *marks[:-1]])
             arrived, computed, sent = at[0::3], at[1::3], at[2::3]
             split += StepSplit(
                 steps=1,

@@ -1,0 +1,152 @@
+"""The device timeline of both roles (`afd_ray.observability.device_trace`).
+
+`DeviceTrace` in a loop thread records exactly the steps asked, after the delay, and
+`finish` ends it early; `merge_traces` puts two traces on one clock. End to end, the
+benchmark's `--device-trace-steps` traces a measured 1A:1F round through the product
+path (vLLM's engine profiler on the attention rank, `DeviceTrace` on the FFN rank) and
+the merged trace holds both processes' events over one window.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from afd_ray.bench.cli import main
+from afd_ray.bench.device_trace import DELAY_STEPS
+from afd_ray.observability.device_trace import STEP, DeviceTrace, merge_traces, read_trace
+from afd_ray.observability.trace_summary import summarize
+
+
+def _loop(trace: DeviceTrace, steps: int, stop: threading.Event | None = None) -> None:
+    """A loop thread: `steps` steps of a matmul, each marked, a tick after each."""
+    x = torch.ones(8, 8)
+    for _ in range(steps):
+        if stop is not None and stop.is_set():
+            break
+        with trace.step():
+            x = x @ torch.ones(8, 8) / 8
+        trace.tick(True)
+    trace.close()
+
+
+def _spans(path: Path, name: str = STEP) -> list[dict]:
+    return [e for e in read_trace(path)["traceEvents"] if e.get("ph") == "X" and e.get("name") == name]
+
+
+def test_device_trace_records_the_steps_asked_after_the_delay(tmp_path: Path) -> None:
+    trace = DeviceTrace(torch.device("cpu"))
+    _loop(trace, 3)  # not requested: nothing recorded
+    assert trace.written is None and not trace.pending
+    trace.request(tmp_path / "ffn.json", steps=4, delay=2)
+    assert trace.pending
+    thread = threading.Thread(target=_loop, args=(trace, 12))
+    thread.start()
+    thread.join(timeout=60)
+    assert trace.written == tmp_path / "ffn.json" and not trace.pending
+    assert len(_spans(trace.written)) == 4
+
+
+def test_finish_writes_what_was_recorded(tmp_path: Path) -> None:
+    trace = DeviceTrace(torch.device("cpu"))
+    trace.request(tmp_path / "ffn.json", steps=1000)
+    stop = threading.Event()
+    thread = threading.Thread(target=_loop, args=(trace, 10**6, stop))
+    thread.start()
+    time.sleep(0.2)
+    trace.finish()
+    deadline = time.monotonic() + 30
+    while trace.pending and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stop.set()
+    thread.join(timeout=60)
+    assert trace.written is not None and 0 < len(_spans(trace.written)) < 1000
+
+
+def test_request_is_checked(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="steps 0 must be >= 1"):
+        DeviceTrace(torch.device("cpu")).request(tmp_path / "x.json", steps=0)
+
+
+def _kineto(path: Path, base_ns: int, pid: int, ts: float) -> Path:
+    events = [
+        {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": "python"}},
+        {"ph": "X", "name": "op", "pid": pid, "tid": 1, "ts": ts, "dur": 10.0},
+    ]
+    path.write_text(json.dumps({"baseTimeNanoseconds": base_ns, "traceEvents": events}))
+    return path
+
+
+def test_merge_puts_both_traces_on_one_clock(tmp_path: Path) -> None:
+    # the same instant (base + ts) in two traces of different bases; the same Kineto pid
+    a = _kineto(tmp_path / "a.json", 1_000_000_000, 0, 500.0)
+    b = _kineto(tmp_path / "b.json", 1_000_200_000, 0, 300.0)
+    merged = merge_traces({"attention rank": a, "FFN rank": b}, tmp_path / "m.json")
+    assert merged.spans_us == {"attention rank": (500.0, 510.0), "FFN rank": (500.0, 510.0)}
+    assert merged.overlap_us() == 10.0
+    events = read_trace(merged.path)["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
+    assert sorted(names.values()) == ["FFN rank: python", "attention rank: python"]  # two pids, named
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps({"traceEvents": []}))
+    with pytest.raises(ValueError, match="not a Kineto trace"):
+        merge_traces({"x": plain}, tmp_path / "n.json")
+
+
+@pytest.mark.timeout(600)
+def test_bench_traces_both_roles_of_a_measured_round(serve_url: str, tmp_path: Path) -> None:
+    steps = 6
+    out = tmp_path / "result.json"
+    argv = [
+        *("--serve-url", serve_url, "--out", str(out), "--checkpoints", str(tmp_path / "tiny")),
+        *("--topologies", "1A1F", "--concurrency", "2", "--repeats", "1", "--requests-per-stream", "1"),
+        *("--max-tokens", str(DELAY_STEPS + 3 * steps), "--no-transport-microbench"),
+        *("--device-trace-steps", str(steps), "--commit", "test-commit"),
+    ]
+    assert main(argv) == 0
+    folder = tmp_path / "result-traces" / "bench-qwen3-moe-1a1f"
+    merged = read_trace(folder / "r0-b2.json")
+    processes = {e["pid"]: e["args"]["name"] for e in merged["traceEvents"] if e.get("name") == "process_name"}
+    ffn_pids = {pid for pid, name in processes.items() if name.startswith("FFN rank")}
+    attention_pids = {pid for pid, name in processes.items() if name.startswith("attention rank")}
+    assert ffn_pids and attention_pids
+    complete = [e for e in merged["traceEvents"] if e.get("ph") == "X"]
+    ffn_steps = [e for e in complete if e["name"] == STEP]
+    assert len(ffn_steps) == steps and {e["pid"] for e in ffn_steps} <= ffn_pids
+    # the attention engine's ops within the window of the FFN rank's traced steps
+    start = min(e["ts"] for e in ffn_steps)
+    end = max(e["ts"] + e["dur"] for e in ffn_steps)
+    attention_ops = [e for e in complete if e["pid"] in attention_pids and start <= e["ts"] <= end]
+    assert attention_ops
+
+
+def _x(pid: int, name: str, ts: float, dur: float, cat: str, correlation: int | None = None) -> dict:
+    args = {} if correlation is None else {"correlation": correlation}
+    return {"ph": "X", "pid": pid, "tid": 1, "name": name, "ts": ts, "dur": dur, "cat": cat, "args": args}
+
+
+def test_summary_splits_the_idle_interval() -> None:
+    # FFN (source 2): CPU pid 2000, GPU 2001; attention (source 1) GPU 1001; microseconds
+    launches = [(10, 1), (20, 2), (90, 3), (95, 4), (100, 5)]
+    gpu = [("wait_signal_kernel", 50, 10, 1), ("put_signal_kernel", 70, 5, 2), ("wait_signal_kernel", 100, 100, 3)]
+    gpu += [("fused_moe_kernel", 210, 20, 4), ("put_signal_kernel", 240, 5, 5)]
+    events = [_x(2000, STEP, 0, 60, "user_annotation"), _x(2000, STEP, 80, 220, "user_annotation")]
+    events += [_x(2000, "cudaLaunchKernel", ts, 1, "cuda_runtime", c) for ts, c in launches]
+    events += [_x(2001, name, ts, dur, "kernel", c) for name, ts, dur, c in gpu]
+    events += [_x(1001, "lm_head_gemm", 60, 60, "kernel"), _x(1001, "mla_decode", 150, 40, "kernel")]
+    summary = summarize({"afd_sources": ["attention rank", "FFN rank"], "traceEvents": events})
+    # idle: previous put's end (75) to the first wait's end (200); the wait started at 100
+    assert summary.steps == 1
+    assert summary.idle_ms == pytest.approx(0.125) and summary.host_lag_ms == pytest.approx(0.025)
+    assert summary.waiting_ms == pytest.approx(0.1)
+    assert summary.attention_kernels_ms == pytest.approx({"lm_head_gemm": 0.045, "mla_decode": 0.04})
+    assert summary.attention_gpu_gap_ms == pytest.approx(0.04)
+    # FFN stream idle inside the steps: 60-70 in the first, 200-210 and 230-240 in the second
+    assert summary.ffn_stream_gaps_ms == pytest.approx(0.015)
+    with pytest.raises(ValueError, match="not a merged trace"):
+        summarize({"traceEvents": events})
