@@ -46,6 +46,9 @@ class StreamResume:
         self._id: tuple[str, int] | None = None
         self.resumes = 0
         """How often the stream moved to another rank."""
+        self.finished = False
+        """Whether a chunk carried a `finish_reason`: the answer is whole, whatever
+        happens to its rank before the stream's end."""
 
     @staticmethod
     def possible(request: CompletionRequest) -> bool:
@@ -77,6 +80,7 @@ class StreamResume:
             if self._prompt is None and choice.prompt_token_ids is not None:
                 self._prompt = list(choice.prompt_token_ids)
             self._tokens += choice.token_ids or []
+            self.finished |= choice.finish_reason is not None
             if not self._show_ids:
                 choice = choice.model_copy(update={"prompt_token_ids": None, "token_ids": None})
             elif self.resumes:  # the client got the original prompt's ids already
@@ -93,14 +97,20 @@ class StreamResume:
             )
         return StreamEvent(chunk.model_copy(update=update))
 
+    @property
+    def complete(self) -> bool:
+        """Whether the client has the whole answer: a `finish_reason` came, or every
+        `max_tokens` token did."""
+        return self.finished or (self._request.max_tokens is not None and len(self._tokens) >= self._request.max_tokens)
+
     def next_request(self) -> CompletionRequest | None:
-        """The request that continues the stream on another rank (None: it had
-        already generated every token)."""
+        """The request that continues the stream on another rank (None: the answer
+        is `complete`)."""
+        if self.complete:
+            return None
         if self._prompt is None:  # nothing generated yet: the request as it was
             return self.request_for_rank
         remaining = None if self._request.max_tokens is None else self._request.max_tokens - len(self._tokens)
-        if remaining is not None and remaining <= 0:
-            return None
         self.resumes += 1
         return self._request.model_copy(
             update={

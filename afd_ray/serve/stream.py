@@ -45,8 +45,9 @@ class Source:
     """The attention pool's answer to one request: `call.remote(request)`. A
     resumable stream (`resume`) whose rank dies (the call fails, or a rank answers
     503) is moved to another rank with `StreamResume.next_request`, up to
-    `_RESUME_ATTEMPTS` times (`on_resume` counts each move); its events pass through
-    `StreamResume.observe`."""
+    `_RESUME_ATTEMPTS` times (`on_resume` counts each move), or ends as usual if the
+    client already has the whole answer (`StreamResume.complete`); its events pass
+    through `StreamResume.observe`."""
 
     def __init__(
         self,
@@ -77,6 +78,11 @@ class Source:
             except StopAsyncIteration:
                 raise
             except Exception as exc:
+                if self._resume is not None and self._resume.complete:
+                    # the rank died after the answer's last token, before its stream
+                    # ended: the client has it all (a usage chunk still to come is lost)
+                    logger.info("attention rank failed after the whole answer (%s); ending the stream", exc)
+                    raise StopAsyncIteration from None
                 request = self._resume.next_request() if self._resume is not None else None
                 if request is None or self._attempts >= _RESUME_ATTEMPTS:
                     raise

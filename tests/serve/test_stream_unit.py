@@ -17,6 +17,7 @@ from vllm.entrypoints.openai.chat_completion.protocol import (
 )
 from vllm.entrypoints.openai.completion.protocol import (
     CompletionLogProbs,
+    CompletionRequest,
     CompletionResponseStreamChoice,
     CompletionStreamResponse,
 )
@@ -26,6 +27,7 @@ from afd_ray.attention.responses import drain_error, relay, until_drained
 from afd_ray.compat import ErrorInfo, ErrorResponse
 from afd_ray.serve.errors import sse_error
 from afd_ray.serve.gate import Pass, Ticket
+from afd_ray.serve.resume import StreamResume
 from afd_ray.serve.stream import Source, respond
 
 _CHOICE = {"index": 0, "text": "é x", "logprobs": None, "finish_reason": None, "stop_reason": None}
@@ -142,3 +144,60 @@ def test_a_request_whose_rank_died_before_answering_gets_503_with_retry_after() 
     response = asyncio.run(respond(source, Pass(Ticket(released.append), None, None), 2))
     assert response.status_code == 503 and response.headers["retry-after"] == "2", response.body
     assert "ActorDiedError" in json.loads(response.body)["error"]["message"] and released == [False]
+
+
+def _dies_after(chunks: list[CompletionStreamResponse]) -> tuple[object, list[object]]:
+    """An attention pool handle whose rank yields `chunks`, then dies (Ray's
+    `ActorDiedError`); the list records every request sent to it."""
+    sent: list[object] = []
+
+    class Rank:
+        def remote(self, request: object) -> AsyncGenerator[object, None]:
+            sent.append(request)
+
+            async def answer() -> AsyncGenerator[object, None]:
+                for chunk in chunks:
+                    yield StreamEvent(chunk)
+                raise ActorDiedError()
+
+            return answer()
+
+    return Rank(), sent
+
+
+def test_a_stream_whose_rank_dies_after_the_whole_answer_ends_with_done() -> None:
+    """The rank dies after the answer's last token but before its stream ended: the
+    client has every token, so the stream ends with `[DONE]`, not a 503 error event,
+    and nothing is re-sent. It was cut with "... failed; retry it" (found by
+    tests/e2e/test_soak.py, a request lost with all its tokens streamed)."""
+
+    def chunk(tokens: list[int], finish: str | None) -> CompletionStreamResponse:
+        choice = {"index": 0, "text": "x", "finish_reason": finish, "token_ids": tokens, "prompt_token_ids": [1]}
+        return CompletionStreamResponse.model_validate({"id": "a", "created": 1, "model": "m", "choices": [choice]})
+
+    async def body(response: object) -> str:
+        return "".join([part if isinstance(part, str) else part.decode() async for part in response.body_iterator])
+
+    cases = {
+        "finish_reason": ([chunk([5], None), chunk([6], "stop")], 8),  # stopped early, then died
+        "max_tokens": ([chunk([5], None), chunk([6], None)], 2),  # every token came, no finish seen
+    }
+    for name, (chunks, max_tokens) in cases.items():
+        request = CompletionRequest(model="m", prompt="hi", stream=True, max_tokens=max_tokens)
+        rank, sent = _dies_after(chunks)
+        source = Source(rank, request, StreamResume(request), lambda: None)
+        text = asyncio.run(_stream_text(source, body))
+        assert text.endswith("data: [DONE]\n\n") and "error" not in text, (name, text)
+        assert text.count("data: {") == 2 and len(sent) == 1, (name, text, sent)
+    # not whole: the rank died mid-answer, so the stream moves to another rank
+    request = CompletionRequest(model="m", prompt="hi", stream=True, max_tokens=8)
+    rank, sent = _dies_after([chunk([5], None)])
+    resume = StreamResume(request)
+    source = Source(rank, request, resume, lambda: None)
+    asyncio.run(_stream_text(source, body))
+    assert len(sent) > 1 and sent[1].prompt == [1, 5] and sent[1].max_tokens == 7
+
+
+async def _stream_text(source: Source, body: object) -> str:
+    response = await respond(source, Pass(Ticket(lambda expired: None), None, None), 2)
+    return await body(response)
