@@ -60,9 +60,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
     """Delete `FIRST`'s application once its last user is done (the session's Serve
-    instance stays for the others)."""
+    instance stays for the others), without waiting for its replicas to stop (its
+    ingress alone stays 5 s, `RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S`)."""
     if item is item.config.stash.get(_LAST_USER, None) and nextitem is not None:
-        serve.delete(SESSION_APP)
+        serve.delete(SESSION_APP, _blocking=False)
 
 
 _DASHBOARD = pytest.StashKey[str]()

@@ -208,7 +208,7 @@ def http(
         with httpx.Client(base_url=serve_url, timeout=600) as client:
             yield client
     finally:
-        serve.delete(NAME)
+        serve.delete(NAME, _blocking=False)  # the next module need not wait out its replicas' stop
 
 
 def test_bad_scale_bodies_name_the_field(http: httpx.Client) -> None:

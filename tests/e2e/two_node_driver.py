@@ -117,7 +117,9 @@ def main(checkpoint: str, prompts: list[str], max_tokens: int) -> dict[str, obje
             "head_node": cluster.head_node.node_id,
             "transports": {str(peer): transport for peer, transport in transports.items()},
         }
-        serve.shutdown()
+        # No `serve.shutdown()`: it stops every replica gracefully (the ingress alone stays
+        # 5 s), and the cluster's processes are killed right after anyway (the caller then
+        # kills this process group too).
         return result
     finally:
         ray.shutdown()

@@ -46,7 +46,7 @@ def moe(serve_url: str, args: dict[str, object]) -> Iterator[httpx.Client]:
         with httpx.Client(base_url=serve_url + PREFIX, timeout=300) as http:
             yield http
     finally:
-        serve.delete(NAME)
+        serve.delete(NAME, _blocking=False)  # the next module need not wait out its replicas' stop
 
 
 def _settled_status(http: httpx.Client, advanced_from: dict[int, int]) -> dict:
