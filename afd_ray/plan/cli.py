@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 from afd_ray.argtypes import at_most, positive, positive_int
@@ -63,7 +64,11 @@ def _profile(args: argparse.Namespace) -> None:
     else:
         if args.from_bench:
             raise ValueError("--from-bench: reads GPU benchmark results; use it with --platform cuda")
-        from afd_ray.plan.profile import profile_vllm
+        from afd_ray.plan.profile import check_inputs, profile_vllm
+
+        check_inputs(args.batches, args.prompt_tokens)
+
+        from afd_ray.config import EMBEDDED_MODELS
 
         if args.tiny is not None:
             from afd_ray.models.embedded import cache_dir
@@ -75,8 +80,24 @@ def _profile(args: argparse.Namespace) -> None:
             from afd_ray.models.embedded import resolve_checkpoint
 
             checkpoint = resolve_checkpoint(ModelConfig(source=args.model))
+        family = args.tiny or (args.model if args.model in EMBEDDED_MODELS else None)
+        serving = []
+        if args.serving and family is None:
+            print(f"serving: not measured: {args.model} is a folder; the benchmark serves a family or embedded model")
+        elif args.serving:
+            from afd_ray.plan.serving import measure_serving
+
+            print(f"serving: plain vLLM through the Serve app at batches {args.batches} ...")
+            threads = args.plain_threads or len(os.sched_getaffinity(0))
+            serving = measure_serving(family, args.batches, args.prompt_tokens[0], 2 * args.decode_steps, threads)
         profile = profile_vllm(
-            checkpoint, args.batches, args.prompt_tokens, args.decode_steps, args.threads, args.plain_threads
+            checkpoint,
+            args.batches,
+            args.prompt_tokens,
+            args.decode_steps,
+            args.threads,
+            args.plain_threads,
+            serving=serving,
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(profile.model_dump_json(indent=2) + "\n")
@@ -92,6 +113,16 @@ def _profile(args: argparse.Namespace) -> None:
             f"{point.other_ms:>9.2f}{verdict.ffn_share:>7.0%}{verdict.afd_tpot_ms:>8.2f}{verdict.plain_tpot_ms:>9.2f}"
             f"{verdict.afd_over_plain:>9.2f}x  {verdict.reason}"
         )
+    if profile.serving:
+        from afd_ray.plan.model import PerformanceModel
+
+        model = PerformanceModel(profile, host_cores=profile.plain_devices)
+        print("plain vLLM through the Serve app: TPOT p50 = engine step + serving (T_serve fitted), ms")
+        for p in profile.serving:
+            engine = model.t_plain_engine(p.batch, p.context)
+            print(
+                f"  batch {p.batch:>4}: {p.tpot_ms:.1f} = {engine:.1f} + {p.tpot_ms - engine:.1f} (fit {model.t_serving(p.batch):.1f})"
+            )
     print(args.out)
 
 
@@ -136,6 +167,13 @@ def add_profile(subparsers: argparse._SubParsersAction) -> None:
         "--plain-threads",
         type=positive_int,
         help="CPU: threads of plain vLLM at equal resources (default: every usable core)",
+    )
+    profile.add_argument(
+        "--serving",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="CPU: also serve plain vLLM through the Serve app (afd_ray.bench, a private Ray cluster) at the "
+        "batches, for what serving adds to every step (default: on; a tiny family or embedded model only)",
     )
     cuda = profile.add_argument_group("cuda (the benchmark's settings)")
     cuda.add_argument("--dtype", default="bfloat16", help="(default: bfloat16)")

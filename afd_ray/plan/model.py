@@ -42,6 +42,21 @@ Step time (= TPOT) of one attention rank, S_a = (T_other(b) + T_attn(b, c))·s_a
       on fewer shared devices than ranks (A + F > D): nothing overlaps,
              T = S_a + 2·T_F(A·b/2)·s_f + T_x(b)
 
+Serving (CPU): what the Serve app adds to every step of an engine with b sequences,
+fitted to the profile's `serving` points (plain vLLM through the Serve app, the product
+path of `afd_ray.bench`, on the cores of `plain`):
+
+    T_serve(b)  = s0 + s1·b      fitted to  serving.tpot_ms − T_plain(b, c)  per point
+
+It is the client-side TPOT beyond the engine's own step: streaming b tokens per step
+through vLLM's OpenAI layer, the Serve replica, the `Ingress` replica and the HTTP proxy
+to the client, whose processes share the host's cores with the engine's threads. The
+same path serves an AFD attention rank's b sequences, so every step of both sides gets
+it: T_AFD = T + T_serve(b), T_plain_app = T_plain + T_serve(b) (SmolLM2 at batch 8 on a
+quiet 2-core machine: 58.8 ms per step on plain vLLM, 65.8 ms on AFD 1A:1F; that it
+carries over is checked by tests/plan/check_equal_resources.py, not yet on an idle machine). Zero when the profile
+has no `serving` points (CUDA: its points are measured through the app already).
+
 Throughput A·b / T tokens/s, per device A·b / T / (A + F); SLO-goodput (requests/s) =
 A·b / T / output_tokens when T ≤ the TPOT SLO, else 0 (TTFT is not modelled); cost per
 1M output tokens = price·(A + F) / 3600 / (tokens/s) · 10^6.
@@ -49,7 +64,8 @@ A·b / T / output_tokens when T ≤ the TPOT SLO, else 0 (TTFT is not modelled);
 Plain vLLM at equal resources (`PerformanceModel.plain`):
 
     CPU, on the profile's `plain_devices` cores (its threads), fitted to `plain`:
-             T_plain(b, c) = p0 + p1·b + p2·b·c
+             T_plain(b, c) = p0 + p1·b + p2·b·c      (the engine's step)
+             TPOT = T_plain(b, c) + T_serve(b)       (served through the app)
     CUDA, data parallel attention and expert parallel MoE (DP+EP) over G GPUs, b
     sequences per GPU; vLLM's own MoE layer M(n) = m0 + m1·n is fitted to what the
     plain step on one GPU leaves after the attention side,
@@ -173,6 +189,26 @@ class PerformanceModel:
         else:
             moe = [max(p.step_ms - self.t_other(p.batch) - self.t_attn(p.batch, p.context), 0.0) for p in plain]
             self.plain_coef = _lstsq([ones, batch], moe)
+        self.serve_coef = self._fit_serving()
+
+    def _fit_serving(self) -> list[float]:
+        """(s0, s1) of T_serve fitted to the `serving` points; s1 = 0 with one batch, both 0 with none."""
+        serving = self.profile.serving
+        if not serving or self.profile.platform != "cpu":
+            return [0.0, 0.0]
+        extra = [p.tpot_ms - self.t_plain_engine(p.batch, p.context) for p in serving]
+        ones, batch = [1.0] * len(serving), [float(p.batch) for p in serving]
+        return _lstsq([ones, batch], extra) if len(set(batch)) > 1 else [*_lstsq([ones], extra), 0.0]
+
+    def t_serving(self, batch: float) -> float:
+        """T_serve: what serving through the app adds to a step of `batch` sequences, ms."""
+        s0, s1 = self.serve_coef
+        return s0 + s1 * batch
+
+    def t_plain_engine(self, batch: float, context: float) -> float:
+        """T_plain: plain vLLM's engine step on the profile's CPU cores (not served), ms."""
+        p0, p1, p2 = self.plain_coef
+        return p0 + p1 * batch + p2 * batch * context
 
     def t_attn(self, batch: float, context: float) -> float:
         a0, a1, a2 = self.attn_coef
@@ -209,19 +245,20 @@ class PerformanceModel:
         return 1.0 if self.host_cores is None else max(1.0, ranks / self.host_cores)
 
     def tpot(self, layout: Layout, context: float) -> tuple[float, float, float, float]:
-        """(T, S_a, FFN busy time, T_x) of `layout` at mean context `context`, ms."""
+        """(T, S_a, FFN busy time, T_x) of `layout` at mean context `context`, ms; T
+        includes T_serve(b)."""
         a, f, b, layers = layout.attention, layout.ffn, layout.batch, self.profile.num_layers
         s_a, s_f = self._stretch(a), self._stretch(f)
         attention_side = (self.t_other(b) + self.t_attn(b, context)) * s_a
-        transfer = self.t_transfer(b)
+        transfer, serve = self.t_transfer(b), self.t_serving(b)
         if not layout.dbo:
             ffn_side = self.t_ffn_rank(a, f, a * b) * s_f
-            return attention_side + ffn_side + transfer, attention_side, ffn_side, transfer
+            return attention_side + ffn_side + transfer + serve, attention_side, ffn_side, transfer
         half = self.t_ffn_rank(a, f, a * b / 2) * s_f
         if self.host_cores is not None and a + f > self.host_cores:
-            return attention_side + 2 * half + transfer, attention_side, 2 * half, transfer
+            return attention_side + 2 * half + transfer + serve, attention_side, 2 * half, transfer
         t_a, t_f, t_x = self.t_attn(b, context) * s_a / layers, half / layers, transfer / layers
-        tpot = self.t_other(b) * s_a + layers * max(2 * t_f, t_a + t_f + t_x)
+        tpot = self.t_other(b) * s_a + layers * max(2 * t_f, t_a + t_f + t_x) + serve
         return tpot, attention_side, 2 * half, transfer
 
     def estimate(
@@ -250,8 +287,7 @@ class PerformanceModel:
         (`gpus` is ignored there), on CUDA DP+EP over `gpus` GPUs with `batch` sequences
         per GPU (module docstring)."""
         if self.profile.platform == "cpu":
-            p0, p1, p2 = self.plain_coef
-            tpot = p0 + p1 * batch + p2 * batch * context
+            tpot = self.t_plain_engine(batch, context) + self.t_serving(batch)
             devices, engines = self.profile.plain_devices, 1
         else:
             m0, m1 = self.plain_coef

@@ -11,7 +11,10 @@ profiler), one after the other:
   (default: every core this process may use), its decode step timed the same way, as
   the benchmark's plain engine (`afd_ray.bench.plain`) would run on this machine.
 
-Both in wall time (`afd_ray.plan.probe` says why).
+Both in wall time (`afd_ray.plan.probe` says why). What serving through the app adds
+to every step (HTTP streaming, the Serve replicas on the same cores) is measured
+through the app itself (`afd_ray.plan.serving`: plain vLLM served by the benchmark at
+the same batches) and given here as `serving`.
 
 Communication inside a colocated step is zero on one device. What AFD would add is
 measured separately (`afd_ray.plan.link`): the connector's layer round trip on this
@@ -36,9 +39,9 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from afd_ray.plan.schema import Link, PlainPoint, Profile, StepPoint, Verdict
+from afd_ray.plan.schema import Link, PlainPoint, Profile, ServingPoint, StepPoint, Verdict
 
-__all__ = ["load_profile", "profile_vllm", "run_probe", "verdicts"]
+__all__ = ["check_inputs", "load_profile", "profile_vllm", "run_probe", "verdicts"]
 
 PROBE_TIMEOUT_S = 900.0
 """Longest one profiling engine may take, start and all points (a 135M model at
@@ -90,12 +93,15 @@ def profile_vllm(
     plain_threads: int | None = None,
     dtype: str = "float32",
     link: Link | None = None,
+    serving: Sequence[ServingPoint] = (),
 ) -> Profile:
     """Profile `checkpoint` on this CPU (module docstring): the split with `threads`
     threads, plain vLLM with `plain_threads` (None: every usable core).
 
     Args:
         link: the A2F/F2A link; None measures the connector here (`shm`, `measure_link`).
+        serving: plain vLLM with `plain_threads` threads through the Serve app at two or
+            more batches (`afd_ray.plan.serving.measure_serving`); empty: not measured.
 
     Raises:
         ValueError: fewer than two distinct `batches`, an empty `prompt_tokens`, a
@@ -105,12 +111,8 @@ def profile_vllm(
     import torch
 
     from afd_ray.plan.link import measure_link
-    from afd_ray.plan.plan import MAX_BATCH
 
-    if len(set(batches)) < 2 or not prompt_tokens:
-        raise ValueError("batches, prompt_tokens: at least two distinct batch sizes and one prompt length")
-    if max(batches) > MAX_BATCH:
-        raise ValueError(f"batches: each at most {MAX_BATCH} (MAX_BATCH), got {max(batches)}")
+    check_inputs(batches, prompt_tokens)
     plain_threads = plain_threads or len(os.sched_getaffinity(0))
     config = json.loads((checkpoint / "config.json").read_text())
     hidden, layers = config["hidden_size"], config["num_hidden_layers"]
@@ -122,7 +124,8 @@ def profile_vllm(
     profile = Profile(
         model=str(checkpoint),
         device=f"{_cpu_model()} ({threads} thread{'s' * (threads > 1)}; plain vLLM {plain_threads})",
-        source="afd-ray profile: vLLM (own process, eager) + torch forward hooks (wall time, medians)",
+        source="afd-ray profile: vLLM (own process, eager) + torch forward hooks (wall time, medians)"
+        + ("; serving: plain vLLM through the Serve app (afd_ray.bench, TPOT p50)" if serving else ""),
         platform="cpu",
         num_layers=layers,
         hidden_size=hidden,
@@ -141,8 +144,24 @@ def profile_vllm(
         plain=[PlainPoint(batch=p["batch"], context=p["context"], step_ms=p["step_ms"]) for p in plain],
         plain_devices=plain_threads,
         link=link,
+        serving=list(serving),
     )
     return profile.model_copy(update={"verdicts": verdicts(profile)})
+
+
+def check_inputs(batches: Sequence[int], prompt_tokens: Sequence[int]) -> None:
+    """Refuse a profile before any engine or deployment starts.
+
+    Raises:
+        ValueError: fewer than two distinct `batches`, an empty `prompt_tokens`, a
+            batch above `afd_ray.plan.plan.MAX_BATCH`.
+    """
+    from afd_ray.plan.plan import MAX_BATCH
+
+    if len(set(batches)) < 2 or not prompt_tokens:
+        raise ValueError("batches, prompt_tokens: at least two distinct batch sizes and one prompt length")
+    if max(batches) > MAX_BATCH:
+        raise ValueError(f"batches: each at most {MAX_BATCH} (MAX_BATCH), got {max(batches)}")
 
 
 def _cpu_model() -> str:

@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["Link", "PlainPoint", "Profile", "StepPoint", "Verdict"]
+__all__ = ["Link", "PlainPoint", "Profile", "ServingPoint", "StepPoint", "Verdict"]
 
 
 class _Record(BaseModel):
@@ -52,6 +52,23 @@ class PlainPoint(_Record):
     step_ms: float = Field(gt=0)
     """Wall time of one decode step (CPU: forward start to forward start in the engine;
     CUDA: the app's TPOT p50), ms."""
+
+
+class ServingPoint(_Record):
+    """Plain vLLM served through the Serve app at one batch, on the cores of `Profile.plain`:
+    the product path (`afd_ray.bench`: HTTP through the Serve proxy, the `Ingress`
+    replica, the engine's replica with vLLM's OpenAI layer, streamed to a client on the
+    same machine), against which the engine's own step (`PlainPoint`) leaves out what
+    serving costs per step (`afd_ray.plan.model`: T_serve)."""
+
+    batch: int = Field(ge=1)
+    """Concurrent streams (the decode batch)."""
+    context: float = Field(ge=0)
+    """Mean context of those sequences during decode (prompt + half the output), tokens."""
+    tpot_ms: float = Field(gt=0)
+    """TPOT p50 the client measured (first token to last over the tokens between), ms."""
+    load_average_1m: float = Field(ge=0)
+    """The machine's 1-minute load average when the load started (how busy it was)."""
 
 
 class Link(_Record):
@@ -109,4 +126,9 @@ class Profile(_Record):
     plain_devices: float = Field(gt=0)
     """Cores (CPU: its threads) or GPUs the plain engine of `plain` ran on."""
     link: Link
+    serving: list[ServingPoint] = []
+    """CPU: plain vLLM through the Serve app at two or more batches (`ServingPoint`),
+    for what serving adds to every step; empty: not measured (`afd-ray profile
+    --no-serving`, a checkpoint folder the benchmark cannot serve by name, or CUDA,
+    whose points are measured through the app already), and the model adds nothing."""
     verdicts: list[Verdict] = []

@@ -17,7 +17,7 @@ from afd_ray.plan.gpu import profile_from_bench
 from afd_ray.plan.model import Layout, PerformanceModel
 from afd_ray.plan.plan import MAX_BATCH, MAX_CONTEXT, MAX_DEVICES, plan_check, plan_predictions, rank_layouts
 from afd_ray.plan.profile import load_profile, verdicts
-from afd_ray.plan.schema import Link, PlainPoint, Profile, StepPoint
+from afd_ray.plan.schema import Link, PlainPoint, Profile, ServingPoint, StepPoint
 
 RESULTS = Path(__file__).parents[2] / "benchmarks" / "results"
 DSV2 = RESULTS / "h200-2026-12-03d-product-dsv2.json"
@@ -95,6 +95,23 @@ def test_plain_vllm_at_equal_resources() -> None:
     dp = cuda.plain(2, 100, gpus=4)
     assert dp.tpot_ms == pytest.approx(3.25) and dp.tokens_per_s_per_device == pytest.approx(2 / 3.25e-3)
     assert dp.tokens_per_s == pytest.approx(4 * 2 / 3.25e-3)
+
+
+def test_serving_through_the_app_adds_to_both_sides() -> None:
+    # plain through the app: TPOT = engine (2 + b) + serving (10 + 3 b) at b = 2 and 8
+    serving = [ServingPoint(batch=b, context=100, tpot_ms=2 + b + 10 + 3 * b, load_average_1m=1.0) for b in (2, 8)]
+    model = PerformanceModel(_profile().model_copy(update={"serving": serving}))
+    assert model.serve_coef == pytest.approx([10, 3]) and model.t_serving(4) == pytest.approx(22)
+    assert model.t_plain_engine(4, 100) == pytest.approx(6)
+    assert model.plain(4, 100).tpot_ms == pytest.approx(6 + 22)
+    # AFD 1A:1F at b=4: the engines' 9 ms and the same 22 ms of serving
+    assert model.tpot(Layout(1, 1, 4), 100)[0] == pytest.approx(9 + 22)
+    # one batch: a constant; none (or CUDA, served already): nothing
+    one = PerformanceModel(_profile().model_copy(update={"serving": serving[:1]}))
+    assert one.serve_coef == pytest.approx([16, 0])
+    assert PerformanceModel(_profile()).t_serving(4) == 0
+    cuda = _profile(platform="cuda").model_copy(update={"serving": serving})
+    assert PerformanceModel(cuda).t_serving(4) == 0
 
 
 def test_the_verdict_compares_with_plain_vllm_on_the_same_cores() -> None:
