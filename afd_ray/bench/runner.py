@@ -32,6 +32,7 @@ import torch
 import vllm
 from ray import serve
 from tqdm import tqdm
+from vllm.platforms import current_platform
 
 from afd_ray.bench.compare import compare
 from afd_ray.bench.ffn_ranks import ffn_rank_result
@@ -74,7 +75,13 @@ _SETTLE_READS = 20
 
 
 def machine() -> Machine:
-    """The CPU, memory, GPU (if CUDA is available) and software versions of this machine."""
+    """The CPU, memory, GPU (if CUDA is available) and software versions of this machine.
+
+    The GPU's name comes from NVML through vLLM's platform (`current_platform`), which
+    neither initializes CUDA in this process nor connects it to the MPS server: at the
+    end of a 2026-12-07 H100 run, `torch.cuda.get_device_name` failed there ("MPS server
+    is not ready to accept new MPS client requests", as the deleted replicas' clients
+    went away) and the whole result was lost."""
     cpuinfo = Path("/proc/cpuinfo").read_text()
     model = next(
         (line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")),
@@ -92,7 +99,7 @@ def machine() -> Machine:
         torch=torch.__version__,
         vllm=vllm.__version__,
         ray=ray.__version__,
-        gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        gpu=current_platform.get_device_name(0) if current_platform.is_cuda() else None,
     )
 
 
@@ -339,6 +346,7 @@ def run_benchmark(
         RuntimeError: an FFN rank served no step during a load.
         TimeoutError: FFN counters did not settle after a load.
     """
+    host = machine()  # before any deployment: a record of this run's machine, not of its end
     transport = None
     if cfg.transport_microbench and cfg.platform == "cpu":
         progress("afd_ray.bench: transport round trips ...")
@@ -360,13 +368,14 @@ def run_benchmark(
                     runs.append(run)
                 bar.update(1)
                 if partial is not None:  # pairs may be incomplete yet: no same_batch
-                    partial(_result(cfg, commit, runs, transport, paired=False))
-    return _result(cfg, commit, runs, transport)
+                    partial(_result(cfg, commit, host, runs, transport, paired=False))
+    return _result(cfg, commit, host, runs, transport)
 
 
 def _result(
     cfg: BenchConfig,
     commit: str | None,
+    host: Machine,
     runs: list[RunResult],
     transport: TransportResult | None,
     paired: bool = True,
@@ -374,7 +383,7 @@ def _result(
     return BenchResult(
         created=datetime.now(UTC).isoformat(timespec="seconds"),
         commit=commit,
-        machine=machine(),
+        machine=host,
         config=cfg,
         runs=list(runs),
         same_batch=compare(runs) if paired else [],
