@@ -8,6 +8,11 @@ then). Checks that the result JSON is
 complete, its figures positive, the runs paired by repeat, and the commit recorded;
 performance itself is proven in benchmarks, never asserted here. The run streams
 3 tokens per chunk (`--stream-interval 3`): both engines must honour it.
+
+The 1A:1F rounds are traced (`--device-trace-steps`, through the product path: vLLM's
+engine profiler on the attention rank, `DeviceTrace` on the FFN rank): each measured
+round's merged trace holds both processes' events over one window. Two requests per
+stream give every round more than `DELAY_STEPS` + `TRACE_STEPS` steps.
 """
 
 from __future__ import annotations
@@ -19,11 +24,16 @@ import pytest
 
 from afd_ray.bench import BenchResult
 from afd_ray.bench.cli import main
+from afd_ray.bench.device_trace import DELAY_STEPS
+from afd_ray.observability.device_trace import STEP, read_trace
 
 MIN_ROUND_S = 0.5
 MAX_TOKENS = 16
 """Enough that a request's tokens rarely all reach the client in one chunk (vLLM merges
 the chunks a slow reader has not taken yet), which leaves its decode time unseen."""
+TRACE_STEPS = 4
+"""Decode steps traced in each measured 1A:1F round."""
+assert 2 * MAX_TOKENS > DELAY_STEPS + TRACE_STEPS  # two requests per stream reach the traced window
 
 
 def test_smoke_run_writes_a_complete_result(serve_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -45,6 +55,10 @@ def test_smoke_run_writes_a_complete_result(serve_url: str, tmp_path: Path, caps
         "--no-redeploy",
         "--min-round-s",
         str(MIN_ROUND_S),
+        "--requests-per-stream",
+        "2",
+        "--device-trace-steps",
+        str(TRACE_STEPS),
         "--commit",
         "test-commit",
     ]
@@ -82,6 +96,9 @@ def test_smoke_run_writes_a_complete_result(serve_url: str, tmp_path: Path, caps
     parts = (split.attention_ms, split.wire_ms, split.ffn_ms, split.idle_ms)
     assert min(parts) >= 0 and split.ffn_ms > 0 and sum(parts) == pytest.approx(split.step_ms)
 
+    for repeat in (0, 1):  # both 1A:1F rounds: the merged trace of both roles over one window
+        _assert_both_roles_traced(tmp_path / "result-traces" / "bench-qwen3-moe-1a1f" / f"r{repeat}-b1.json")
+
     table = capsys.readouterr().out
     assert (
         "plain" in table
@@ -90,3 +107,18 @@ def test_smoke_run_writes_a_complete_result(serve_url: str, tmp_path: Path, caps
         and "c/ep ms" in table
         and "AFD/plain" in table
     )
+
+
+def _assert_both_roles_traced(merged_path: Path) -> None:
+    merged = read_trace(merged_path)
+    processes = {e["pid"]: e["args"]["name"] for e in merged["traceEvents"] if e.get("name") == "process_name"}
+    ffn_pids = {pid for pid, name in processes.items() if name.startswith("FFN rank")}
+    attention_pids = {pid for pid, name in processes.items() if name.startswith("attention rank")}
+    assert ffn_pids and attention_pids, processes
+    complete = [e for e in merged["traceEvents"] if e.get("ph") == "X"]
+    ffn_steps = [e for e in complete if e["name"] == STEP]
+    assert len(ffn_steps) == TRACE_STEPS and {e["pid"] for e in ffn_steps} <= ffn_pids
+    # the attention engine's ops within the window of the FFN rank's traced steps
+    start = min(e["ts"] for e in ffn_steps)
+    end = max(e["ts"] + e["dur"] for e in ffn_steps)
+    assert [e for e in complete if e["pid"] in attention_pids and start <= e["ts"] <= end]
