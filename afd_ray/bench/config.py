@@ -116,6 +116,12 @@ def _default_checkpoints() -> Path:
     return cache_dir() / "tiny"
 
 
+TRACE_DELAY_STEPS = 16
+"""Steps of a measured round before its device trace starts (past its prefills; each
+side counts its own: the attention engine's `execute_model` calls, the FFN rank's
+steps)."""
+
+
 class BenchConfig(BaseModel):
     """The measured settings: models, layouts, the load and the pool sizes.
 
@@ -249,10 +255,12 @@ class BenchConfig(BaseModel):
     `python -m afd_ray.bench.cuda_ipc` measures the CUDA one)."""
 
     device_trace_steps: int = Field(0, ge=0)
-    """Record a profiler trace of this many decode steps of every measured AFD round on
-    both its attention and FFN rank, merged onto one clock (`afd_ray.bench.device_trace`,
-    written beside the result JSON in `<out stem>-traces/`); traced rounds are slower
-    than untraced ones. 0: off."""
+    """Record a profiler trace of this many decode steps, after the round's first 16
+    (`TRACE_DELAY_STEPS`), of every measured AFD round on both its attention and FFN
+    rank, merged onto one clock (`afd_ray.bench.device_trace`, written beside the result
+    JSON in `<out stem>-traces/`; the idle split of its summary reads CUDA kernels, so it
+    is empty on CPU); `max_tokens` x `requests_per_stream` must exceed 16 + this; traced
+    rounds are slower than untraced ones. 0: off."""
 
     seed: int = 0
     """Weight seed of the tiny checkpoints."""
@@ -293,6 +301,17 @@ class BenchConfig(BaseModel):
         if self.quantization is not None and self.platform != "cuda":
             raise ValueError(
                 f"quantization: {self.quantization} needs platform cuda (vLLM's FP8 kernels), not {self.platform}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _traced_rounds_reach_the_window(self) -> BenchConfig:
+        per_stream = self.max_tokens * self.requests_per_stream
+        if self.device_trace_steps and per_stream <= TRACE_DELAY_STEPS + self.device_trace_steps:
+            raise ValueError(
+                f"device_trace_steps: {self.device_trace_steps} steps traced after the first {TRACE_DELAY_STEPS} "
+                f"need more than {TRACE_DELAY_STEPS + self.device_trace_steps} tokens per stream and round, not "
+                f"max_tokens {self.max_tokens} x requests_per_stream {self.requests_per_stream}; raise either"
             )
         return self
 

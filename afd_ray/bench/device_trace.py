@@ -26,15 +26,13 @@ from pathlib import Path
 
 from ray import serve
 
+from afd_ray.bench.config import TRACE_DELAY_STEPS as DELAY_STEPS
 from afd_ray.config import AFDConfig
 from afd_ray.observability.device_trace import merge_traces, read_trace, vllm_profiler_config
 from afd_ray.observability.trace_summary import summarize
 
 __all__ = ["DELAY_STEPS", "device_trace", "traced"]
 
-DELAY_STEPS = 16
-"""Steps of a measured round before its trace starts (each side counts its own: the
-attention engine's `execute_model` calls, the FFN rank's steps)."""
 _WAIT_S = 60.0
 """Bound on each side's stop and trace write, seconds."""
 
@@ -80,9 +78,14 @@ def device_trace(app: str, folder: Path, steps: int, name: str) -> Iterator[None
     merged = merge_traces({"attention rank": newest, "FFN rank": Path(written)}, folder / f"{name}.json")
     summary = summarize(read_trace(merged.path))
     (folder / f"{name}.summary.json").write_text(json.dumps(asdict(summary), indent=2) + "\n")
+    split = (
+        f"FFN idle per step {summary.idle_ms:.3f} ms = host lag {summary.host_lag_ms:.3f} + waiting "
+        f"{summary.waiting_ms:.3f} ({summary.steps} steps with device activity)"
+        if summary.steps
+        else "no idle split: no FFN step with CUDA kernels (the split reads CUDA kernels only)"
+    )
     print(
         f"afd_ray.bench: device trace {merged.path}: events {dict(merged.events)}, both sides for "
-        f"{merged.overlap_us() / 1e3:.1f} ms; FFN idle per step {summary.idle_ms:.3f} ms = host lag "
-        f"{summary.host_lag_ms:.3f} + waiting {summary.waiting_ms:.3f} ({summary.steps} steps with device activity)",
+        f"{merged.overlap_us() / 1e3:.1f} ms; {split}",
         flush=True,
     )

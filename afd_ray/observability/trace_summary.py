@@ -21,6 +21,7 @@ Kineto's `correlation` (the FFN loop launches its exchange kernels eagerly).
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from collections import Counter
@@ -145,9 +146,27 @@ def summarize(trace: dict, ffn: str = "FFN rank", attention: str = "attention ra
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Print the summary of the merged trace named by the one argument, as JSON."""
-    (path,) = sys.argv[1:] if argv is None else argv
-    print(json.dumps(asdict(summarize(read_trace(Path(path)))), indent=2))
+    """`python -m afd_ray.observability.trace_summary MERGED.json[.gz]`: print the
+    summary as JSON; exit 2 with `error: MERGED: ...` for a file that cannot be read or
+    is not a merged trace. A trace without CUDA kernels (a CPU run) has no idle split:
+    a line on stderr says so."""
+    parser = argparse.ArgumentParser(
+        prog="python -m afd_ray.observability.trace_summary",
+        description="split the FFN rank's idle per step of a merged device trace (afd_ray.bench "
+        "--device-trace-steps) into host lag and waiting; CUDA traces only",
+    )
+    parser.add_argument("merged", type=Path, help="the merged trace (<app>/r<repeat>-b<batch>.json)")
+    args = parser.parse_args(argv)
+    try:
+        summary = summarize(read_trace(args.merged))
+    except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
+        parser.error(f"MERGED: {args.merged}: {exc}")
+    if summary.steps == 0:
+        print(
+            "no FFN step with CUDA kernels in this trace (a CPU run?): the idle split reads CUDA kernels only",
+            file=sys.stderr,
+        )
+    print(json.dumps(asdict(summary), indent=2))
     return 0
 
 

@@ -32,7 +32,22 @@ def _read_bench(paths: list[Path]) -> list[object]:
     return results
 
 
+def _writable(out: Path) -> None:
+    """Create `out`'s folder and check it can be written, before any measurement.
+
+    Raises:
+        ValueError: naming `--out`, when the folder cannot be made or written.
+    """
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--out: {out}: {exc.strerror}") from None
+    if not os.access(out.parent, os.W_OK):
+        raise ValueError(f"--out: {out}: its folder is not writable")
+
+
 def _profile(args: argparse.Namespace) -> None:
+    _writable(args.out)
     if args.platform == "cuda":
         from afd_ray.plan.gpu import profile_cuda, profile_from_bench
 
@@ -198,6 +213,8 @@ def _plan(args: argparse.Namespace) -> None:
     from afd_ray.plan.profile import load_profile
     from afd_ray.plan.report import plan_report
 
+    if args.out is not None:
+        _writable(args.out)
     profile = load_profile(args.profile)
     cpu = profile.platform == "cpu"
     host_cores = args.host_cores if args.host_cores is not None else profile.plain_devices if cpu else None

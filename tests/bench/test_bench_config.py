@@ -272,3 +272,16 @@ def test_fp8_runs_both_sides_quantized_on_cuda_only(tmp_path: Path, capsys: pyte
         main(["--quantization", "fp8"])
     assert exit_info.value.code == 2
     assert "quantization: fp8 needs platform cuda" in capsys.readouterr().err
+
+
+def test_a_device_trace_past_the_rounds_end_exits_2_before_any_deployment(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`--smoke --device-trace-steps 4` (4 tokens x 1 request per stream) ran 7 minutes
+    and then lost its AFD round: the trace starts only after 16 steps (new-user trial)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--smoke", "--device-trace-steps", "4"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "device_trace_steps: 4 steps traced after the first 16" in err and "requests_per_stream 1" in err
+    assert BenchConfig(max_tokens=16, requests_per_stream=2, device_trace_steps=4).device_trace_steps == 4

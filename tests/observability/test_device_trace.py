@@ -120,3 +120,25 @@ def test_summary_splits_the_idle_interval() -> None:
     assert summary.ffn_stream_gaps_ms == pytest.approx(0.015)
     with pytest.raises(ValueError, match="not a merged trace"):
         summarize({"traceEvents": events})
+
+
+def test_summary_cli_names_the_file_and_says_when_there_is_no_cuda(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It read `sys.argv` by hand: `--help` was opened as a file, a missing or non-JSON
+    file gave a traceback (new-user trial); a CPU trace printed zeros as if measured."""
+    from afd_ray.observability.trace_summary import main as summary_main
+
+    for bad, says in ((tmp_path / "none.json", "No such file"), (tmp_path / "bad.json", "Expecting value")):
+        if bad.name == "bad.json":
+            bad.write_text("not json")
+        with pytest.raises(SystemExit) as exit_info:
+            summary_main([str(bad)])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert f"MERGED: {bad}" in err and says in err, err
+    cpu = tmp_path / "cpu.json"
+    cpu.write_text(json.dumps({"afd_sources": ["attention rank", "FFN rank"], "traceEvents": []}))
+    assert summary_main([str(cpu)]) == 0
+    captured = capsys.readouterr()
+    assert "CUDA kernels only" in captured.err and json.loads(captured.out)["steps"] == 0

@@ -274,6 +274,8 @@ def test_bad_profile_files_name_the_field(tmp_path: Path) -> None:
             2,
             "argument --batches: must be <= 8192, got 1000000000",
         ),
+        # printed the whole plan, then "[Errno 2] No such file or directory: '/proc/nope'"
+        (["--slo-tpot-ms", "50", "--devices", "4", "--out", "/proc/nope/plan.json"], 1, "--out: /proc/nope/plan.json"),
     ],
 )
 def test_plan_cli_bad_inputs(
@@ -304,6 +306,8 @@ def test_profile_cli_bounds_its_batches(capsys: pytest.CaptureFixture[str]) -> N
             "not an afd_ray.bench result",
         ),
         (["--tiny", "llama", "--batches", "4", "4"], "batches, prompt_tokens: at least two distinct batch sizes"),
+        # an unwritable --out was found only after minutes of measurement (new-user trial)
+        (["--tiny", "llama", "--out", "/proc/nope/profile.json"], "--out: /proc/nope/profile.json"),
     ],
 )
 def test_profile_cli_names_what_is_wrong(argv: list[str], field: str, capsys: pytest.CaptureFixture[str]) -> None:
