@@ -226,6 +226,12 @@ def _plan(args: argparse.Namespace) -> None:
     where = f"{host_cores:g} shared cores" if host_cores is not None else "one GPU per rank"
     print(f"{profile.model} on {profile.device}, {args.devices} devices ({where}), context {context:.0f} tokens")
     print(format_plan(ranked, args.slo_tpot_ms, args.top))
+    profiled = max(p.batch for p in profile.points)
+    if ranked[0].layout.batch > profiled:
+        print(
+            f"note: batch {ranked[0].layout.batch} per attention rank is beyond the profiled batches (at most "
+            f"{profiled}): its times are extrapolated from the fit; profile --batches up to it to check"
+        )
     measured = _read_bench(args.measured) if args.measured else []
     report, text = plan_report(model, ranked, args.slo_tpot_ms, context, args.batches, measured)
     print(text)

@@ -316,3 +316,17 @@ def test_profile_cli_names_what_is_wrong(argv: list[str], field: str, capsys: py
         main(["profile", *argv])
     assert exit_info.value.code == 1
     assert field in capsys.readouterr().err
+
+
+def test_plan_says_when_its_batch_is_beyond_the_profile(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A profile of batches 1-8 got a recommendation at batch 128 with no word that it was
+    extrapolated (new-user trial)."""
+    path = tmp_path / "profile.json"
+    path.write_text(_profile().model_dump_json())  # batches 1, 2, 4
+    argv = ["plan", "--profile", str(path), "--slo-tpot-ms", "1000", "--devices", "2"]
+    assert main([*argv, "--batches", "2", "64"]) == 0
+    text = capsys.readouterr().out
+    assert "recommended: " in text and "batch 64" in text
+    assert "note: batch 64 per attention rank is beyond the profiled batches (at most 4)" in text
+    assert main([*argv, "--batches", "2", "4"]) == 0
+    assert "beyond the profiled batches" not in capsys.readouterr().out
