@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
-__all__ = ["at_most", "http_url", "positive", "positive_int"]
+__all__ = ["at_most", "check_writable", "http_url", "positive", "positive_int"]
 
 _Number = TypeVar("_Number", int, float)
 
@@ -54,3 +56,18 @@ def http_url(text: str) -> str:
     if url.scheme not in ("http", "https") or not url.host:
         raise argparse.ArgumentTypeError(f"expected http(s)://host[:port], got {text!r}")
     return text
+
+
+def check_writable(out: Path, flag: str = "--out") -> None:
+    """Create `out`'s folder and check it can be written: run before any measurement,
+    so a bad output path is not found only after minutes of work.
+
+    Raises:
+        ValueError: naming `flag`, when the folder cannot be made or written.
+    """
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"{flag}: {out}: {exc.strerror}") from None
+    if not os.access(out.parent, os.W_OK):
+        raise ValueError(f"{flag}: {out}: its folder is not writable")

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from afd_ray.argtypes import check_writable
 from afd_ray.bench.commit import git_commit
 from afd_ray.bench.config import BenchConfig, Topology
 from afd_ray.bench.schema import BenchResult, FFNRankResult, Stat
@@ -302,11 +303,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = BenchConfig.model_validate((SMOKE if smoke else {}) | args)
     except ValueError as e:
         parser.error(usage_message(e))
+    try:
+        check_writable(out)
+    except ValueError as e:
+        parser.error(str(e))
 
     from afd_ray.bench.runner import run_benchmark
     from afd_ray.bench.transport import format_table as format_transport_table
-
-    out.parent.mkdir(parents=True, exist_ok=True)
 
     def write(result: BenchResult) -> None:
         out.write_text(result.model_dump_json(indent=2) + "\n")

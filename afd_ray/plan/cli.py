@@ -10,7 +10,7 @@ import json
 import os
 from pathlib import Path
 
-from afd_ray.argtypes import at_most, positive, positive_int
+from afd_ray.argtypes import at_most, check_writable, positive, positive_int
 from afd_ray.models import FAMILIES
 
 __all__ = ["add_plan", "add_profile"]
@@ -32,22 +32,8 @@ def _read_bench(paths: list[Path]) -> list[object]:
     return results
 
 
-def _writable(out: Path) -> None:
-    """Create `out`'s folder and check it can be written, before any measurement.
-
-    Raises:
-        ValueError: naming `--out`, when the folder cannot be made or written.
-    """
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ValueError(f"--out: {out}: {exc.strerror}") from None
-    if not os.access(out.parent, os.W_OK):
-        raise ValueError(f"--out: {out}: its folder is not writable")
-
-
 def _profile(args: argparse.Namespace) -> None:
-    _writable(args.out)
+    check_writable(args.out)
     if args.platform == "cuda":
         from afd_ray.plan.gpu import profile_cuda, profile_from_bench
 
@@ -91,10 +77,17 @@ def _profile(args: argparse.Namespace) -> None:
 
             checkpoint = build_tiny(args.tiny, cache_dir() / "tiny" / f"{args.tiny}-seed0")
         else:
+            from pydantic import ValidationError
+
             from afd_ray.config import ModelConfig
             from afd_ray.models.embedded import resolve_checkpoint
 
-            checkpoint = resolve_checkpoint(ModelConfig(source=args.model))
+            try:
+                model = ModelConfig(source=args.model)
+            except ValidationError as e:
+                message = e.errors()[0]["msg"].removeprefix("Value error, ").removeprefix("model.source: ")
+                raise ValueError(f"--model: {message}") from None
+            checkpoint = resolve_checkpoint(model)
         family = args.tiny or (args.model if args.model in EMBEDDED_MODELS else None)
         serving = []
         if args.serving and family is None:
@@ -126,8 +119,13 @@ def _profile(args: argparse.Namespace) -> None:
         print(
             f"{point.batch:>5}{point.context:>9.0f}{point.step_ms:>9.2f}{point.attention_ms:>9.2f}{point.ffn_ms:>8.2f}"
             f"{point.other_ms:>9.2f}{verdict.ffn_share:>7.0%}{verdict.afd_tpot_ms:>8.2f}{verdict.plain_tpot_ms:>9.2f}"
-            f"{verdict.afd_over_plain:>9.2f}x  {verdict.reason}"
+            f"{verdict.afd_over_plain:>9.2f}x  {'AFD pays' if verdict.can_pay else 'plain vLLM wins'}"
         )
+    cpu = profile.platform == "cpu"
+    print(
+        f"AFD 1A:1F against {f'plain vLLM on {profile.plain_devices:g} cores' if cpu else 'plain vLLM DP+EP on 2 GPUs'}; "
+        f"AFD/plain: tok/s per {'core' if cpu else 'GPU'} (each verdict's reason is in {args.out})"
+    )
     if profile.serving:
         from afd_ray.plan.model import PerformanceModel
 
@@ -214,7 +212,7 @@ def _plan(args: argparse.Namespace) -> None:
     from afd_ray.plan.report import plan_report
 
     if args.out is not None:
-        _writable(args.out)
+        check_writable(args.out)
     profile = load_profile(args.profile)
     cpu = profile.platform == "cpu"
     host_cores = args.host_cores if args.host_cores is not None else profile.plain_devices if cpu else None

@@ -123,6 +123,14 @@ def test_bad_flag_exits_2_naming_the_field(capsys: pytest.CaptureFixture[str]) -
     assert "concurrency" in capsys.readouterr().err
 
 
+def test_unwritable_out_exits_2_before_ray_starts(capsys: pytest.CaptureFixture[str]) -> None:
+    """It was found after the whole run, as a traceback (new-user trial)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--smoke", "--out", "/proc/nope/result.json"])
+    assert exit_info.value.code == 2
+    assert "error: --out: /proc/nope/result.json" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("argv", "allowed"),
     [

@@ -308,6 +308,11 @@ def test_profile_cli_bounds_its_batches(capsys: pytest.CaptureFixture[str]) -> N
         (["--tiny", "llama", "--batches", "4", "4"], "batches, prompt_tokens: at least two distinct batch sizes"),
         # an unwritable --out was found only after minutes of measurement (new-user trial)
         (["--tiny", "llama", "--out", "/proc/nope/profile.json"], "--out: /proc/nope/profile.json"),
+        # a missing folder gave pydantic's three-line dump naming model.source (new-user trial)
+        (
+            ["--model", "/nonexistent", "--no-serving", "--out", "/tmp/afd-ray-profile-test.json"],
+            "afd-ray: error: --model: '/nonexistent' is neither an embedded model",
+        ),
     ],
 )
 def test_profile_cli_names_what_is_wrong(argv: list[str], field: str, capsys: pytest.CaptureFixture[str]) -> None:
