@@ -2,7 +2,7 @@
 ingress (the client on the ingress replica's own port), or HAProxy + direct ingress (what
 `make serve` runs). README "Overload, access and failures" has the numbers.
 
-    python benchmarks/refusal_burst.py MODE [--no-guarded] [--bursts K]
+    python benchmarks/refusal_burst.py MODE [--no-guarded] [--bursts K] [--out FILE]
 
 MODE is `proxy`, `direct` or `haproxy`; it sets Ray's variables before this process
 starts its own local cluster, so run the modes one after the other. Each mode deploys an
@@ -10,7 +10,9 @@ app that refuses every request at once (Serve's floor), then the guarded tiny ap
 tests/serve/conftest.py (capacity 4), and sends K bursts of 20 streaming completions to
 each, from 20 threads (as tests/serve/test_admission.py does) and from one asyncio loop.
 Prints each burst's refusals (seconds to the response headers at the client: median,
-p90, max) and a `RESULT` JSON line with every sample.
+p90, max) and a `RESULT` JSON line with every sample; with `--out`, also writes them to
+FILE as JSON with the commit, the machine (`afd_ray.bench.runner.machine`), the load
+average before and after, and median / p90 / max per kind in milliseconds.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ if MODE == "haproxy":
 os.environ["RAY_AUTH_MODE"] = "disabled"
 GUARDED = "--no-guarded" not in sys.argv
 BURSTS = int(sys.argv[sys.argv.index("--bursts") + 1]) if "--bursts" in sys.argv else 5
+OUT = sys.argv[sys.argv.index("--out") + 1] if "--out" in sys.argv else None
 N = 20
 
 import httpx  # noqa: E402
@@ -102,12 +105,20 @@ def aburst(url: str, headers: dict, body: dict, n: int) -> list[tuple[int, float
     return asyncio.run(main())
 
 
-def stats(xs: list[float]) -> str:
+def summary_ms(xs: list[float]) -> dict[str, float]:
+    """Median, 90th percentile (nearest rank below) and max of `xs` seconds, in ms."""
     xs = sorted(xs)
-    return (
-        f"n={len(xs)} median={statistics.median(xs) * 1e3:.0f} p90={xs[int(0.9 * (len(xs) - 1))] * 1e3:.0f} "
-        f"max={xs[-1] * 1e3:.0f} ms"
-    )
+    return {
+        "n": len(xs),
+        "median_ms": round(statistics.median(xs) * 1e3, 1),
+        "p90_ms": round(xs[int(0.9 * (len(xs) - 1))] * 1e3, 1),
+        "max_ms": round(xs[-1] * 1e3, 1),
+    }
+
+
+def stats(xs: list[float]) -> str:
+    s = summary_ms(xs)
+    return f"n={s['n']} median={s['median_ms']:.0f} p90={s['p90_ms']:.0f} max={s['max_ms']:.0f} ms"
 
 
 def base_of(app: str, proxy_port: int) -> str:
@@ -124,7 +135,8 @@ def base_of(app: str, proxy_port: int) -> str:
 
 
 def main() -> None:
-    print(f"mode={MODE} load={os.getloadavg()}", flush=True)
+    load_before = os.getloadavg()
+    print(f"mode={MODE} load={load_before}", flush=True)
     ray.init(address="local", include_dashboard=False, num_cpus=8)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -195,6 +207,27 @@ def main() -> None:
             print(f"guarded {kind}:", stats(results[f"guarded-{kind}"]), flush=True)
     print(f"load after={os.getloadavg()}", flush=True)
     print("RESULT", json.dumps({"mode": MODE, **{k: sorted(v) for k, v in results.items()}}), flush=True)
+    if OUT:
+        from afd_ray.bench.commit import git_commit
+        from afd_ray.bench.runner import machine
+
+        record = {
+            "what": "benchmarks/refusal_burst.py: seconds from sending to the response headers of the "
+            f"refused requests in bursts of {N} streaming completions",
+            "commit": git_commit(),
+            "mode": MODE,
+            "bursts": BURSTS,
+            "machine": machine().model_dump(),
+            "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "load_average_1m": [load_before[0], os.getloadavg()[0]],
+            "refusals": {k: summary_ms(v) for k, v in results.items()},
+            "samples_s": {k: sorted(v) for k, v in results.items()},
+        }
+        with open(OUT, "w") as f:
+            json.dump(record, f, indent=1)
+        print(f"{'kind':16} {'n':>4} {'median ms':>10} {'p90 ms':>8} {'max ms':>8}")
+        for kind, s in record["refusals"].items():
+            print(f"{kind:16} {s['n']:>4} {s['median_ms']:>10} {s['p90_ms']:>8} {s['max_ms']:>8}")
     serve.shutdown()
     ray.shutdown()
 
