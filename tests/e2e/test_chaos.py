@@ -39,8 +39,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from afd_ray.models.tiny import build_tiny
-from chaos_faults import app_args, deployed, greedy_reference
+from chaos_faults import app_args, deployed
 from chaos_faults import (
     ATTENTION_WHOLE_WITHIN_S,
     EP2_PAUSE_WITHIN_S,
@@ -72,19 +71,6 @@ from chaos_faults import (
     _wait_tokens,
     _whole,
 )
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The tiny Qwen3-MoE checkpoint (float32) of this module's app."""
-    return str(build_tiny("qwen3_moe", tmp_path_factory.mktemp("chaos") / "qwen3_moe"))
-
-
-@pytest.fixture(scope="module")
-def reference(checkpoint: str) -> list[list[int]]:
-    """Plain vLLM's greedy ids of each prompt (`MAX_TOKENS`, EOS ignored), in this
-    process, computed before the app starts."""
-    return greedy_reference(checkpoint)
 
 
 @pytest.fixture(scope="module")

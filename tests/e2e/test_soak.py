@@ -4,7 +4,7 @@ float32, EP over the FFN ranks; real Ray cluster, real vLLM, real HTTP) through
 coordinator SIGKILL, or a resize of the FFN pool (2 <-> 1 ranks).
 
 The faults come from a seeded RNG (the seed is printed): first the five kinds in a
-random order, then random kinds. Each fault waits until the service has settled from
+random order, then (with `FAULTS` over 5) random kinds. Each fault waits until the service has settled from
 the last (`_settled`: the layout whole at its target and Serve running exactly the
 target replicas), since two attention ranks down at once leave no rank to resume a
 stream on, then a random 5-10 s more under load, so that it lands at a random point
@@ -36,14 +36,15 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from afd_ray.models.tiny import build_tiny
-from chaos_faults import app_args, deployed, greedy_reference
+from chaos_faults import app_args, deployed
 from chaos_faults import HEARTBEAT_S, MAX_TOKENS, PREFIX, PROMPTS, _pids, _read_status, _whole
 
 SEED: int | None = None
 """The faults' seed; None draws one (printed). Set the printed one to replay a run."""
-FAULTS = 7
-"""Faults in all: the five kinds, then random ones (the load runs until the last one settled)."""
+FAULTS = 5
+"""Faults in all: the five kinds in a random order, then (with more) random ones; the load
+runs until the last one settled. 5, not 7, to save CI about 50 s (with 7: 270 requests
+completed equal to plain vLLM, more than twice `MIN_COMPLETED`)."""
 GAP_S = (5.0, 10.0)
 """Time under load between the service settling from a fault and the next fault."""
 STOP_S = 20.0
@@ -60,19 +61,6 @@ REQUEST_S = 150
 MIN_COMPLETED = 100
 """Requests that must complete: the load ran through the faults."""
 KINDS = ("ffn_sigkill", "ffn_sigstop", "attention_sigkill", "coordinator_sigkill", "resize")
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The tiny Qwen3-MoE checkpoint (float32) of this module's app."""
-    return str(build_tiny("qwen3_moe", tmp_path_factory.mktemp("soak") / "qwen3_moe"))
-
-
-@pytest.fixture(scope="module")
-def reference(checkpoint: str) -> list[list[int]]:
-    """Plain vLLM's greedy ids of each prompt (`MAX_TOKENS`, EOS ignored), in this
-    process, computed before the app starts."""
-    return greedy_reference(checkpoint)
 
 
 @pytest.fixture(scope="module")

@@ -33,8 +33,7 @@ import pytest
 import ray
 from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 
-from afd_ray.models.tiny import build_tiny
-from chaos_faults import app_args, deployed, greedy_reference
+from chaos_faults import app_args, deployed
 from chaos_faults import (
     KILLS,
     NAME,
@@ -71,19 +70,6 @@ EP2_STANDBY_WHOLE_WITHIN_S = 10.0
 STANDBY_BACK_WITHIN_S = 180
 """Cap on waiting for Serve's replacement replica to stand by (a new process imports
 torch and vLLM and loads every expert); not a bound the tests assert."""
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The tiny Qwen3-MoE checkpoint (float32) of this module's app."""
-    return str(build_tiny("qwen3_moe", tmp_path_factory.mktemp("standby") / "qwen3_moe"))
-
-
-@pytest.fixture(scope="module")
-def reference(checkpoint: str) -> list[list[int]]:
-    """Plain vLLM's greedy ids of each prompt (`MAX_TOKENS`, EOS ignored), computed in
-    this process before the app starts."""
-    return greedy_reference(checkpoint)
 
 
 @pytest.fixture(scope="module")
