@@ -9,7 +9,7 @@ STAMP := $(VENV)/.afd_ray-installed
 export RAY_AUTH_MODE := disabled
 # Serve's HTTP ingress is HAProxy passing each request straight to the ingress replica's
 # own HTTP server (direct ingress), not Serve's Python proxy and its call to the replica:
-# a refusal under overload then comes in well under 100 ms (docs/failures.md). Ray 2.60 reads these in the Serve controller, proxy and replica processes
+# a refusal under overload then comes in about 32 ms, not 90 ms (docs/failures.md). Ray 2.60 reads these in the Serve controller, proxy and replica processes
 # and has no argument for them: they must be in the environment that starts the cluster
 # (afd_ray/serve/ingress_env.py INGRESS_ENV holds the same two).
 # A stopping ingress replica stays reachable 5 s (Ray's default 30 s is for an external
