@@ -63,8 +63,11 @@ def check_writable(out: Path, flag: str = "--out") -> None:
     so a bad output path is not found only after minutes of work.
 
     Raises:
-        ValueError: naming `flag`, when the folder cannot be made or written.
+        ValueError: naming `flag`, when `out` is a folder, or its folder cannot be
+            made or written.
     """
+    if out.is_dir():
+        raise ValueError(f"{flag}: {out} is a folder; give a file path in it")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

@@ -30,7 +30,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from afd_ray.argtypes import http_url, positive, positive_int
+from afd_ray.argtypes import check_writable, http_url, positive, positive_int
 from afd_ray.config import EMBEDDED_MODELS
 from afd_ray.serve.check import ClusterResources, file_errors
 from afd_ray.models import FAMILIES
@@ -88,6 +88,9 @@ def _autoscale_simulate(args: argparse.Namespace) -> None:
     from afd_ray.autoscale.trace import read_trace
 
     policy = load_policy(args.policy)
+    for flag, path in (("--out", args.out), ("--plot", args.plot)):
+        if path is not None:
+            check_writable(path, flag)
     if args.trace is not None:
         steps, title = (
             replay(read_trace(args.trace), policy),
@@ -126,6 +129,7 @@ def _autoscale_record(args: argparse.Namespace) -> None:
 
     from afd_ray.autoscale.trace import record
 
+    check_writable(args.out)
     try:
         lines = record(args.url, args.out, args.interval_s, args.duration_s)
     except httpx.HTTPError as e:

@@ -26,6 +26,8 @@ def _read_bench(paths: list[Path]) -> list[object]:
     for path in paths:
         try:
             results.append(BenchResult.model_validate_json(path.read_text()))
+        except OSError as e:
+            raise ValueError(f"--from-bench: {path}: {e.strerror}") from None
         except ValidationError as e:
             first = e.errors()[0]
             raise ValueError(f"{path}: not an afd_ray.bench result: {first['loc']}: {first['msg']}") from e
@@ -34,6 +36,15 @@ def _read_bench(paths: list[Path]) -> list[object]:
 
 def _profile(args: argparse.Namespace) -> None:
     check_writable(args.out)
+    if args.platform == "cuda" and args.tiny is not None:
+        raise ValueError(
+            "--tiny: a CPU profile's random checkpoint; with --platform cuda give --model SHAPE or --from-bench"
+        )
+    if args.platform == "cpu" and (args.plain_threads or 0) > len(os.sched_getaffinity(0)):
+        raise ValueError(
+            f"--plain-threads: {args.plain_threads} is more than the {len(os.sched_getaffinity(0))} cores this "
+            "process may use: plain vLLM at equal resources runs on this machine's cores"
+        )
     if args.platform == "cuda":
         from afd_ray.plan.gpu import profile_cuda, profile_from_bench
 

@@ -69,6 +69,20 @@ def test_bad_policy_exits_1_naming_the_field(tmp_path: Path, capsys: pytest.Capt
     assert "attention.scale_out_cooldown_s: Input should be greater than or equal to 0" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", ["--out", "--plot"])
+def test_an_output_that_cannot_be_written_is_named_before_the_run(
+    flag: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An unwritable --out was found after the whole simulation; a folder as --plot
+    likewise (new-user trial)."""
+    for bad in ("/proc/nope/s.json", str(tmp_path)):
+        with pytest.raises(SystemExit) as exit_:
+            main(["autoscale", "simulate", "--policy", str(POLICY), "--ramp", flag, bad])
+        assert exit_.value.code == 1
+        err = capsys.readouterr()
+        assert f"afd-ray: error: {flag}: {bad}" in err.err and "evaluations" not in err.out
+
+
 @pytest.mark.parametrize(
     "argv",
     [

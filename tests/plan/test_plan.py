@@ -313,6 +313,11 @@ def test_profile_cli_bounds_its_batches(capsys: pytest.CaptureFixture[str]) -> N
             ["--model", "/nonexistent", "--no-serving", "--out", "/tmp/afd-ray-profile-test.json"],
             "afd-ray: error: --model: '/nonexistent' is neither an embedded model",
         ),
+        # found only after the whole measurement, or as a pydantic dump (new-user trial)
+        (["--tiny", "llama", "--out", "/tmp"], "--out: /tmp is a folder"),
+        (["--tiny", "llama", "--platform", "cuda"], "--tiny: a CPU profile's random checkpoint"),
+        (["--platform", "cuda", "--from-bench", "/nonexistent.json"], "--from-bench: /nonexistent.json: No such file"),
+        (["--tiny", "llama", "--plain-threads", "100000"], "--plain-threads: 100000 is more than the"),
     ],
 )
 def test_profile_cli_names_what_is_wrong(argv: list[str], field: str, capsys: pytest.CaptureFixture[str]) -> None:
