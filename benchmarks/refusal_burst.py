@@ -1,6 +1,6 @@
 """Refusal latency under a burst, by Serve HTTP ingress: Serve's Python proxy, direct
 ingress (the client on the ingress replica's own port), or HAProxy + direct ingress (what
-`make serve` runs). README "Overload, access and failures" has the numbers.
+`make serve` runs). docs/failures.md has the numbers (results/cpu-2026-12-07-refusal-burst.json).
 
     python benchmarks/refusal_burst.py MODE [--no-guarded] [--bursts K] [--out FILE]
 
@@ -17,6 +17,7 @@ average before and after, and median / p90 / max per kind in milliseconds.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import socket
@@ -24,16 +25,27 @@ import statistics
 import sys
 import threading
 import time
+from pathlib import Path
 
-MODE = sys.argv[1]
+from afd_ray.argtypes import check_writable, positive_int
+
+_parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+_parser.add_argument("mode", choices=("proxy", "direct", "haproxy"), help="the Serve HTTP ingress to measure")
+_parser.add_argument("--no-guarded", action="store_true", help="only the app that refuses everything")
+_parser.add_argument("--bursts", type=positive_int, default=5, help="bursts per kind (default: 5)")
+_parser.add_argument("--out", type=Path, help="JSON results file to write")
+_args = _parser.parse_args()
+if _args.out is not None:
+    try:
+        check_writable(_args.out)
+    except ValueError as e:
+        _parser.error(str(e))
+MODE, GUARDED, BURSTS, OUT = _args.mode, not _args.no_guarded, _args.bursts, _args.out
 if MODE in ("direct", "haproxy"):
     os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "1"
 if MODE == "haproxy":
     os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
 os.environ["RAY_AUTH_MODE"] = "disabled"
-GUARDED = "--no-guarded" not in sys.argv
-BURSTS = int(sys.argv[sys.argv.index("--bursts") + 1]) if "--bursts" in sys.argv else 5
-OUT = sys.argv[sys.argv.index("--out") + 1] if "--out" in sys.argv else None
 N = 20
 
 import httpx  # noqa: E402

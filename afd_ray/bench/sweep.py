@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
+from afd_ray.argtypes import check_writable
 from afd_ray.bench.cli import RUN_FLAGS, SMOKE, build_parser, format_table, serve_endpoint, usage_message
 from afd_ray.bench.commit import git_commit
 from afd_ray.bench.compare import compare
@@ -229,6 +230,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError("--repeats: the sweep deploys each layout once; repeats are the bench's")
     except ValueError as e:
         parser.error(usage_message(e))
+    try:
+        check_writable(out)
+    except ValueError as e:
+        parser.error(str(e))
 
     try:
         with serve_endpoint(cfg, ray_address, serve_url) as url:

@@ -7,7 +7,7 @@ import json
 import os
 from pathlib import Path
 
-from afd_ray.argtypes import http_url
+from afd_ray.argtypes import check_writable, http_url
 
 __all__ = ["add_dashboards", "add_trace", "format_trace"]
 
@@ -76,6 +76,7 @@ def add_trace(subparsers: argparse._SubParsersAction) -> None:
 def _export(args: argparse.Namespace) -> None:
     from afd_ray.observability.dashboards import write
 
+    check_writable(args.out)
     print(write(args.out))
 
 

@@ -224,7 +224,10 @@ def _plan(args: argparse.Namespace) -> None:
 
     if args.out is not None:
         check_writable(args.out)
-    profile = load_profile(args.profile)
+    try:
+        profile = load_profile(args.profile)
+    except OSError as e:
+        raise ValueError(f"--profile: {args.profile}: {e.strerror}") from None
     cpu = profile.platform == "cpu"
     host_cores = args.host_cores if args.host_cores is not None else profile.plain_devices if cpu else None
     model = PerformanceModel(profile, host_cores=host_cores)

@@ -46,6 +46,8 @@ def test_ranges_and_lists() -> None:
         (["--topologies", "1A1F", "--price-per-device-hour", "0"], "--price-per-device-hour"),
         (["--topologies", "1A1F", "--concurrency", "1", "2"], "--concurrency"),
         (["--topologies", "1A1F", "--repeats", "2"], "--repeats: the sweep deploys each layout once"),
+        # started Ray and a deployment first (new-user trial)
+        (["--topologies", "1A1F", "--out", "/proc/nope/sweep.json"], "--out: /proc/nope/sweep.json"),
     ],
 )
 def test_bad_sweep_spec_exits_2_naming_the_field(

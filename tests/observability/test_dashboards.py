@@ -59,3 +59,11 @@ def test_push_without_the_token_names_the_variable(monkeypatch: pytest.MonkeyPat
         main(["dashboards", "push", "--url", "http://grafana.test:3000", "--token-env", "NO_SUCH_TOKEN"])
     assert exit_.value.code == 1
     assert "--token-env: environment variable NO_SUCH_TOKEN is unset" in capsys.readouterr().err
+
+
+def test_export_to_an_unwritable_path_names_out(capsys: pytest.CaptureFixture[str]) -> None:
+    """It said only "No such file or directory: '/proc/nope'" (new-user trial)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["dashboards", "export", "--out", "/proc/nope/afd.json"])
+    assert exit_info.value.code == 1
+    assert "afd-ray: error: --out: /proc/nope/afd.json" in capsys.readouterr().err

@@ -276,6 +276,12 @@ def test_bad_profile_files_name_the_field(tmp_path: Path) -> None:
         ),
         # printed the whole plan, then "[Errno 2] No such file or directory: '/proc/nope'"
         (["--slo-tpot-ms", "50", "--devices", "4", "--out", "/proc/nope/plan.json"], 1, "--out: /proc/nope/plan.json"),
+        # a second --profile replaces the fixture's: "[Errno 2] ..." named no flag (new-user trial)
+        (
+            ["--slo-tpot-ms", "50", "--devices", "4", "--profile", "/nonexistent.json"],
+            1,
+            "--profile: /nonexistent.json",
+        ),
     ],
 )
 def test_plan_cli_bad_inputs(
