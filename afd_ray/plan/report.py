@@ -50,6 +50,13 @@ def _equal_resources(
         f"(TPOT {plain.tpot_ms:.1f} ms): {'AFD pays' if winner == 'afd' else 'plain vLLM wins'} "
         f"(AFD/plain {ratio:.2f}x)"
     )
+    profiled = max(p.batch for p in model.profile.points)
+    beyond = [f"{side} batch {b}" for side, b in (("AFD", afd.layout.batch), ("plain", plain.batch)) if b > profiled]
+    if beyond:
+        text += (
+            f"\nnote: {' and '.join(beyond)} beyond the profiled batches (at most {profiled}): "
+            "extrapolated from the fits"
+        )
     record = {
         "afd": {"layout": afd.layout.label, "batch": afd.layout.batch, "tpot_ms": afd.tpot_ms, "rate": afd_rate},
         "plain": {"devices": plain.devices, "batch": plain.batch, "tpot_ms": plain.tpot_ms, "rate": plain_rate},

@@ -344,5 +344,8 @@ def test_plan_says_when_its_batch_is_beyond_the_profile(tmp_path: Path, capsys: 
     text = capsys.readouterr().out
     assert "recommended: " in text and "batch 64" in text
     assert "note: batch 64 per attention rank is beyond the profiled batches (at most 4)" in text
+    # the equal-resources line's plain side claimed batch 512 from batches up to 8 with no word (new-user trial)
+    equal = text[text.index("equal resources: ") :]
+    assert "beyond the profiled batches (at most 4): extrapolated from the fits" in equal, equal
     assert main([*argv, "--batches", "2", "4"]) == 0
     assert "beyond the profiled batches" not in capsys.readouterr().out
