@@ -386,3 +386,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         parser.exit(1, f"afd-ray: error: {e}\n")
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

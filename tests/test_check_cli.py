@@ -4,6 +4,8 @@ status 1 on an error; the pools against a running Ray cluster only where one run
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -340,3 +342,17 @@ def test_a_value_out_of_vllms_config_bounds_is_caught(tmp_path: Path, capsys: py
     assert lines[-1] == f"afd-ray: error: {path}: 2 errors"
     ok = _app_file(tmp_path, attention={"engine_args": {"block_size": 16, "max_num_batched_tokens": 512}})
     assert _check(capsys, str(ok), "--offline")[0] == 0
+
+
+def test_the_cli_and_the_check_import_neither_torch_nor_transformers() -> None:
+    """`afd-ray --help` took 5 s: `afd_ray.serve.check` imported `afd_ray.layers.fp8`
+    (torch, transformers, vLLM) for one constant (new-user trial); 0.3 s without."""
+    code = "import sys, afd_ray.cli, afd_ray.serve.check; print(sorted({'torch', 'transformers', 'vllm'} & set(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "[]", done.stdout
+
+
+def test_python_m_afd_ray_cli_runs_the_cli() -> None:
+    """`python -m afd_ray.cli --help` printed nothing and exited 0 (new-user trial)."""
+    done = subprocess.run([sys.executable, "-m", "afd_ray.cli", "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("usage: "), done

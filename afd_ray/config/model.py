@@ -10,7 +10,12 @@ from pydantic import Field, PrivateAttr, model_validator
 
 from afd_ray.config.base import DType, Section
 
-__all__ = ["EMBEDDED_MODELS", "Fp8Checkpoint", "ModelConfig", "fp8_checkpoint"]
+__all__ = ["EMBEDDED_MODELS", "FP8_CAPABILITY", "Fp8Checkpoint", "ModelConfig", "fp8_checkpoint"]
+
+FP8_CAPABILITY = (8, 9)
+"""Least CUDA compute capability with FP8 tensor cores (Ada, Hopper and later). Here,
+not in `afd_ray.layers.fp8` (which re-exports it), so that `afd-ray check` and
+`afd-ray --help` do not import torch and transformers for it (4 s of `--help`)."""
 
 EMBEDDED_MODELS = ("smollm2", "smollm2-moe")
 

@@ -33,13 +33,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from afd_ray.config.model import Fp8Checkpoint
+from afd_ray.config.model import FP8_CAPABILITY, Fp8Checkpoint
 from afd_ray.layers.experts import ExpertSlots, Experts, SlotTables
 
 __all__ = ["FP8_CAPABILITY", "FP8_DTYPE", "Fp8Experts", "check_fp8_device", "dequantize_fp8", "quantize_experts"]
 
-FP8_CAPABILITY = (8, 9)
-"""Least CUDA compute capability with FP8 tensor cores (Ada, Hopper and later)."""
 FP8_DTYPE = torch.float8_e4m3fn
 """vLLM's FP8 dtype on CUDA (`current_platform.fp8_dtype()`), and FP8 checkpoints'."""
 _FP8 = FP8_DTYPE

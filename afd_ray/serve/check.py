@@ -27,7 +27,7 @@ from pydantic import BaseModel, ValidationError
 
 from afd_ray.config.base import nearest_field_hint
 from afd_ray.config.tree import AFDConfig
-from afd_ray.layers.fp8 import FP8_CAPABILITY
+from afd_ray.config.model import FP8_CAPABILITY
 
 __all__ = [
     "APP_IMPORT_PATH",
