@@ -118,7 +118,6 @@ def _profile(args: argparse.Namespace) -> None:
             args.plain_threads,
             serving=serving,
         )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(profile.model_dump_json(indent=2) + "\n")
     link = profile.link
     print(f"{profile.model} on {profile.device}; link: {link.latency_us:.1f} us + n / {link.bandwidth_gbps:.2f} GB/s")
@@ -248,7 +247,6 @@ def _plan(args: argparse.Namespace) -> None:
     report, text = plan_report(model, ranked, args.slo_tpot_ms, context, args.batches, measured)
     print(text)
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2) + "\n")
         print(args.out)
 
